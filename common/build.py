@@ -1,0 +1,249 @@
+"""Building a stage's extension with torch.utils.cpp_extension.load (ninja).
+
+- Each stage (and its profile variant) gets a unique extension name and its own
+  build directory under build/, so two stages load side by side and a rebuild
+  only recompiles what changed.
+- CUDA_HOME is located robustly: an nvcc on PATH may be a wrapper script
+  (e.g. /usr/local/bin/nvcc), whose folder is not the toolkit.
+- CUTLASS/CuTe headers come from the ``nvidia-cutlass`` wheel (or CUTLASS_PATH).
+- The profile variant is the same sources compiled with -DKDA_PROFILE.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .paths import BUILD_DIR, INCLUDE_DIR
+
+
+def _valid_cuda_home(p) -> bool:
+    p = Path(p)
+    return (p / "bin" / "nvcc").exists() and (p / "include" / "cuda_runtime.h").exists()
+
+
+def find_cuda_home() -> str | None:
+    """The CUDA toolkit directory (with bin/nvcc and include/cuda_runtime.h), or None."""
+    cands = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            cands.append(os.environ[var])
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(os.path.realpath(nvcc))
+        cands.append(str(real.parent.parent))
+        try:  # a wrapper script: look for the path it execs
+            text = real.read_text(errors="ignore")[:4096]
+            for m in re.finditer(r"(/[^\s\"']+)/bin/nvcc", text):
+                cands.append(m.group(1))
+        except (OSError, UnicodeDecodeError):
+            pass
+    cands.append("/usr/local/cuda")
+    cands.extend(sorted(glob.glob("/usr/local/cuda-*"), reverse=True))
+    for c in cands:
+        if c and _valid_cuda_home(c):
+            return str(Path(c).resolve())
+    return None
+
+
+def setup_cuda_home() -> str | None:
+    """Point CUDA_HOME (and torch's cached copy of it) at the real toolkit."""
+    home = find_cuda_home()
+    if home:
+        os.environ["CUDA_HOME"] = home
+        ce = sys.modules.get("torch.utils.cpp_extension")
+        if ce is not None:
+            ce.CUDA_HOME = home
+    return home
+
+
+def cutlass_include() -> str | None:
+    """Directory holding cute/ and cutlass/ headers, or None."""
+    cands = []
+    if os.environ.get("CUTLASS_PATH"):
+        cands += [Path(os.environ["CUTLASS_PATH"]) / "include", Path(os.environ["CUTLASS_PATH"])]
+    try:
+        import cutlass_library  # from the nvidia-cutlass wheel
+
+        root = Path(cutlass_library.__file__).resolve().parent
+        cands += [root / "source" / "include", root / "include"]
+    except ImportError:
+        pass
+    for c in cands:
+        if (c / "cute" / "tensor.hpp").exists():
+            return str(c)
+    return None
+
+
+def cuda_arch_list() -> str:
+    """Architectures to build for: the visible GPU's, else sm_90 (the H200)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return "9.0"
+
+
+def extension_name(stage_name: str, profile: bool = False) -> str:
+    return "kda_" + re.sub(r"\W", "_", stage_name) + ("_prof" if profile else "")
+
+
+_LOADED: dict = {}
+
+
+def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, profile: bool = False,
+                   cutlass: bool = False, extra_cflags=(), extra_cuda_cflags=(), verbose: bool = False,
+                   quiet: bool = False):
+    """Build (if needed) and import one stage's extension.
+
+    ``sources`` are file names relative to ``stage_dir``. The build lives in
+    build/<extension name>/; ninja rebuilds only what changed.
+    """
+    name = extension_name(stage_name, profile)
+    if name in _LOADED:
+        return _LOADED[name]
+    if cuda:
+        home = setup_cuda_home()
+        if home is None:
+            raise RuntimeError("CUDA toolkit not found: set CUDA_HOME to the directory holding bin/nvcc "
+                               "and include/cuda_runtime.h")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
+    from torch.utils import cpp_extension
+
+    stage_dir = Path(stage_dir)
+    build_dir = BUILD_DIR / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    includes = [str(INCLUDE_DIR), str(stage_dir)]
+    if cutlass:
+        inc = cutlass_include()
+        if inc is None:
+            raise RuntimeError("CUTLASS/CuTe headers not found: pip install nvidia-cutlass "
+                               "(or set CUTLASS_PATH to a CUTLASS checkout)")
+        includes.append(inc)
+    defs = ["-DKDA_PROFILE"] if profile else []
+    cflags = ["-O3", "-std=c++17"] + defs + list(extra_cflags)
+    cuda_flags = ["-O3", "-std=c++17", "-lineinfo"] + defs + list(extra_cuda_cflags)
+    t0 = time.time()
+    if not quiet:
+        print(f"[kdalab] building {name} in {build_dir} ...", flush=True)
+    with _build_lock(build_dir):
+        mod = cpp_extension.load(
+            name=name,
+            sources=[str(stage_dir / s) for s in sources],
+            extra_include_paths=includes,
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags if cuda else None,
+            build_directory=str(build_dir),
+            verbose=verbose,
+            with_cuda=cuda,
+        )
+    if not quiet:
+        print(f"[kdalab] {name} ready ({time.time() - t0:.1f} s)", flush=True)
+    _LOADED[name] = mod
+    return mod
+
+
+class _build_lock:
+    """A file lock per build directory, so parallel test workers don't race ninja."""
+
+    def __init__(self, build_dir: Path):
+        self.path = build_dir / ".kdalab.lock"
+
+    def __enter__(self):
+        import fcntl
+
+        self.fh = open(self.path, "w")
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+
+
+def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = False, profile: bool = False):
+    """Registers, shared memory, stack and spills per kernel, from ptxas -v.
+
+    Compiles only the device code of each .cu source (no torch headers). Returns
+    a list of dicts: kernel, registers, smem_bytes, stack_bytes, spill_stores,
+    spill_loads. Cached in build/ by source modification time.
+    """
+    home = setup_cuda_home()
+    if home is None:
+        raise RuntimeError("CUDA toolkit not found (CUDA_HOME)")
+    stage_dir = Path(stage_dir)
+    rows = []
+    for src in sources:
+        if not src.endswith(".cu"):
+            continue
+        path = stage_dir / src
+        cmd = [str(Path(home) / "bin" / "nvcc"), "-std=c++17", "-O3", f"-arch={arch}", "-Xptxas=-v",
+               "-cubin", "-o", os.devnull, f"-I{INCLUDE_DIR}", f"-I{stage_dir}", str(path)]
+        if "sm_90a" in arch:
+            cmd[3] = "-gencode=arch=compute_90a,code=sm_90a"
+        if cutlass:
+            cmd.insert(1, f"-I{cutlass_include()}")
+        if profile:
+            cmd.insert(1, "-DKDA_PROFILE")
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {path}:\n{out.stderr[-4000:]}")
+        rows += _parse_ptxas(out.stderr)
+    return rows
+
+
+def _demangle(names):
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return names
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True)
+    dem = out.stdout.strip().split("\n")
+    return dem if len(dem) == len(names) else names
+
+
+def _parse_ptxas(text: str):
+    rows, cur = [], None
+    for line in text.splitlines():
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            cur = {"kernel": m.group(1), "registers": 0, "smem_bytes": 0, "stack_bytes": 0,
+                   "spill_stores": 0, "spill_loads": 0}
+            rows.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            cur["stack_bytes"], cur["spill_stores"], cur["spill_loads"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            cur["smem_bytes"] = int(s.group(1)) if s else 0
+    # ptxas lists device functions too; keep kernels (they report registers)
+    rows = [r for r in rows if r["registers"] > 0]
+    names = _demangle([r["kernel"] for r in rows])
+    for r, n in zip(rows, names):
+        r["kernel"] = re.sub(r"\(.*", "", n).replace("(anonymous namespace)::", "")
+    return rows
+
+
+def import_module_from(path: Path, name: str):
+    """Import a Python file by path (stage directories start with a digit)."""
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,0 +1,282 @@
+"""The stage contract (DESIGN.md section 5): one call for every stage.
+
+    o, final_state = stage.forward(q, k, v, g, beta, A_log=..., dt_bias=...,
+        scale=None, initial_state=None, output_final_state=True,
+        gate="softplus" | "bounded", lower_bound=None, chunk_size=None)
+
+Each stage declares what it supports in a :class:`StageSpec`; :func:`prepare`
+checks a call against it and raises a ``TypeError`` / ``ValueError`` naming the
+argument before any kernel runs, then returns the converted, contiguous
+tensors in a :class:`Call`. Validation runs in a fixed order, one message per
+fact.
+
+Outputs are allocated through :func:`alloc`, which fills them with NaN while
+:func:`poisoned` is active, so a check sees every element a kernel forgot to
+write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+GATES = ("softplus", "bounded")
+GATE_ID = {"softplus": 0, "bounded": 1}
+DEFAULT_LOWER_BOUND = -5.0
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage supports. Anything outside it is refused in Python."""
+
+    name: str  # directory name, e.g. "01_cpp"
+    title: str  # one line: what the stage adds
+    devices: tuple = ("cpu",)  # torch device types the kernels run on
+    gates: tuple = GATES
+    chunk_sizes: tuple | None = (16, 32, 64)  # None: any power of two >= 16
+    default_chunk: int = 64
+    head_dims: tuple | None = None  # allowed K (= V); None: 1..max_head_dim
+    max_head_dim: int = 256
+    equal_kv: bool = False  # K must equal V
+    compute_dtype: torch.dtype = torch.float32  # q, k, v, g, beta converted to this
+    backward: bool = True
+    regions: tuple = ()  # profile region names, in kernel order
+    region_unit: str = "s"  # "s" (CPU wall time) or "cycles" (clock64)
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.name[:2]
+
+    def runnable_here(self) -> tuple[bool, str]:
+        """(True, "") if this machine can run the stage, else (False, why)."""
+        if "cpu" in self.devices:
+            return True, ""
+        if "cuda" in self.devices:
+            if not torch.cuda.is_available():
+                return False, "needs an NVIDIA GPU; none is visible on this machine"
+            need = self.extra.get("min_sm")
+            if need is not None:
+                major, minor = torch.cuda.get_device_capability()
+                if major * 10 + minor < need:
+                    return False, f"needs sm_{need} or newer, this GPU is sm_{major}{minor}"
+            return True, ""
+        return False, f"runs on {self.devices}, not available here"
+
+
+@dataclass
+class Call:
+    """A validated call: contiguous tensors in the stage's dtypes plus sizes."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    initial_state: torch.Tensor | None
+    scale: float
+    gate: str
+    gate_id: int
+    lower_bound: float
+    chunk_size: int
+    output_final_state: bool
+    out_dtype: torch.dtype
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+# --------------------------------------------------------------------------
+# poisoned outputs
+# --------------------------------------------------------------------------
+
+_POISON = [os.environ.get("KDALAB_POISON", "0") == "1"]
+
+
+@contextlib.contextmanager
+def poisoned(enabled: bool = True):
+    """While active, :func:`alloc` fills new outputs with NaN instead of leaving
+    them uninitialised, so an element a kernel never writes shows up as NaN."""
+    old = _POISON[0]
+    _POISON[0] = enabled
+    try:
+        yield
+    finally:
+        _POISON[0] = old
+
+
+def poisoning() -> bool:
+    return _POISON[0]
+
+
+def alloc(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """Allocate an output a kernel will overwrite completely."""
+    if _POISON[0]:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _check_tensor(name: str, x, spec: StageSpec) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.device.type not in spec.devices:
+        allowed = " or ".join(spec.devices)
+        raise ValueError(f"{name} must be on {allowed} for stage {spec.name}, got {x.device}")
+
+
+def _check_shape(name: str, x: torch.Tensor, want: tuple, labels: str) -> None:
+    if tuple(x.shape) != tuple(want):
+        raise ValueError(f"{name} must be {labels} = {list(want)}, got {list(x.shape)}")
+
+
+def check_gate(gate, lower_bound, spec: StageSpec | None = None) -> tuple[str, int, float]:
+    """Validate the gate name and lower_bound; returns (gate, gate_id, lower_bound)."""
+    if not isinstance(gate, str) or gate not in GATES:
+        raise ValueError(f"gate must be 'softplus' or 'bounded', got {gate!r}")
+    if spec is not None and gate not in spec.gates:
+        raise ValueError(f"gate={gate!r} is not supported by stage {spec.name} (supports {list(spec.gates)})")
+    if gate == "softplus":
+        if lower_bound is not None:
+            raise ValueError("lower_bound is only used with gate='bounded'; pass lower_bound=None")
+        return gate, GATE_ID[gate], 0.0
+    if lower_bound is None:
+        lower_bound = DEFAULT_LOWER_BOUND
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound must be a float, got {type(lower_bound).__name__}")
+    lb = float(lower_bound)
+    if not math.isfinite(lb):
+        raise ValueError(f"lower_bound must be finite, got {lb}")
+    if not (-5.0 <= lb < 0.0):
+        raise ValueError(f"lower_bound must be in [-5, 0), got {lb}")
+    return gate, GATE_ID[gate], lb
+
+
+def prepare(
+    spec: StageSpec,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    scale=None,
+    initial_state=None,
+    output_final_state=True,
+    gate="softplus",
+    lower_bound=None,
+    chunk_size=None,
+) -> Call:
+    """Check a call against ``spec`` and return it converted (see module doc)."""
+    gate, gate_id, lb = check_gate(gate, lower_bound, spec)
+
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_tensor(name, x, spec)
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        _check_tensor(name, x, spec)
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, spec)
+    dev = q.device
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                    ("dt_bias", dt_bias), ("initial_state", initial_state)):
+        if x is not None and x.device != dev:
+            raise ValueError(f"{name} is on {x.device} but q is on {dev}; all inputs must be on one device")
+
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B, T, H, V], got shape {list(v.shape)}")
+    V = v.shape[3]
+    if min(B, T, H) < 1:
+        raise ValueError(f"q must have B, T, H >= 1, got shape {list(q.shape)}")
+    _check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    _check_shape("v", v, (B, T, H, V), "[B, T, H, V] (B, T, H as in q)")
+    _check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
+    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    _check_shape("A_log", A_log, (H,), "[H]")
+    _check_shape("dt_bias", dt_bias, (H, K), "[H, K]")
+    if initial_state is not None:
+        _check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+
+    if spec.head_dims is not None:
+        if K not in spec.head_dims:
+            raise ValueError(f"K (q.shape[3]) must be one of {list(spec.head_dims)} for stage {spec.name}, got {K}")
+        if V not in spec.head_dims:
+            raise ValueError(f"V (v.shape[3]) must be one of {list(spec.head_dims)} for stage {spec.name}, got {V}")
+    else:
+        if not 1 <= K <= spec.max_head_dim:
+            raise ValueError(f"K (q.shape[3]) must be in [1, {spec.max_head_dim}] for stage {spec.name}, got {K}")
+        if not 1 <= V <= spec.max_head_dim:
+            raise ValueError(f"V (v.shape[3]) must be in [1, {spec.max_head_dim}] for stage {spec.name}, got {V}")
+    if spec.equal_kv and K != V:
+        raise ValueError(f"stage {spec.name} needs K == V, got K={K}, V={V}")
+
+    if scale is None:
+        scale = K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    if chunk_size is None:
+        chunk_size = spec.default_chunk
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    if spec.chunk_sizes is None:
+        if chunk_size < 16 or not _is_pow2(chunk_size):
+            raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size}")
+    elif chunk_size not in spec.chunk_sizes:
+        raise ValueError(f"chunk_size must be one of {list(spec.chunk_sizes)} for stage {spec.name}, got {chunk_size}")
+
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+
+    if not spec.backward and torch.is_grad_enabled():
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                        ("dt_bias", dt_bias), ("initial_state", initial_state)):
+            if x is not None and x.requires_grad:
+                raise ValueError(
+                    f"{name} requires grad but stage {spec.name} has no backward; "
+                    "call it under torch.no_grad() or detach the inputs")
+
+    cd = spec.compute_dtype
+
+    def conv(x, dtype):
+        return x.to(dtype).contiguous()
+
+    return Call(
+        q=conv(q, cd), k=conv(k, cd), v=conv(v, cd), g=conv(g, cd), beta=conv(beta, cd),
+        A_log=conv(A_log, torch.float32), dt_bias=conv(dt_bias, torch.float32),
+        initial_state=None if initial_state is None else conv(initial_state, torch.float32),
+        scale=scale, gate=gate, gate_id=gate_id, lower_bound=lb, chunk_size=chunk_size,
+        output_final_state=output_final_state, out_dtype=v.dtype,
+        B=B, T=T, H=H, K=K, V=V,
+    )

@@ -1,0 +1,11 @@
+"""Where things live in the repository."""
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STAGES_DIR = REPO_ROOT / "stages"
+RESULTS_DIR = REPO_ROOT / "results"  # recorded figures, committed
+REPORTS_DIR = Path(os.environ.get("KDALAB_REPORTS", REPO_ROOT / "reports"))  # generated
+BUILD_DIR = Path(os.environ.get("KDALAB_BUILD", REPO_ROOT / "build"))  # extension builds
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"

@@ -1,0 +1,70 @@
+"""Ground truth: the KDA recurrence token by token in float64 (DESIGN.md section 2).
+
+This is deliberately *not* the chunked algorithm: it checks every stage
+independently of the chunked algebra. It is differentiable (torch.autograd), so
+the same function gives reference gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .contract import check_gate
+
+L2_EPS = 1e-6
+
+
+def activate(q, k, g, beta, A_log, dt_bias, *, gate="softplus", lower_bound=None):
+    """The pre-stage in the dtype of its inputs: L2-normalised q, k, sigmoid(beta)
+    and the log-decay a (per token, head and key dimension).
+
+    Shapes: q, k, g [B, T, H, K]; beta [B, T, H]; A_log [H]; dt_bias [H, K].
+    """
+    gate, _, lb = check_gate(gate, lower_bound)
+    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    b = torch.sigmoid(beta)
+    A = torch.exp(A_log)[None, None, :, None]  # [1, 1, H, 1]
+    x = g + dt_bias[None, None]  # [B, T, H, K]
+    if gate == "softplus":
+        a = -A * F.softplus(x)
+    else:
+        a = lb * torch.sigmoid(A * x)
+    return qn, kn, b, a
+
+
+def kda_reference(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+                  output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
+                  dtype=torch.float64):
+    """Token-by-token KDA in ``dtype`` (float64 by default).
+
+    For each t, with S of shape [K, V] per (batch, head):
+        S <- diag(exp(a_t)) S
+        S <- S + beta_t k_t (v_t - S^T k_t)^T
+        o_t = scale S^T q_t
+    Returns o [B, T, H, V] and the final state [B, H, K, V] (None if not asked),
+    both in ``dtype``. ``chunk_size`` is accepted and ignored, so the reference
+    takes the stage call unchanged.
+    """
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    A_log, dt_bias = A_log.to(dtype), dt_bias.to(dtype)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    qn, kn, b, a = activate(q, k, g, beta, A_log, dt_bias, gate=gate, lower_bound=lower_bound)
+    if initial_state is None:
+        S = torch.zeros(B, H, K, V, dtype=dtype, device=q.device)
+    else:
+        S = initial_state.to(dtype)
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(a[:, t])[..., None]  # [B, H, K, V]
+        kt = kn[:, t]  # [B, H, K]
+        pred = torch.einsum("bhkv,bhk->bhv", S, kt)  # S^T k
+        delta = b[:, t][..., None] * (v[:, t] - pred)  # [B, H, V]
+        S = S + kt[..., None] * delta[..., None, :]
+        outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, qn[:, t]))
+    o = torch.stack(outs, dim=1)  # [B, T, H, V]
+    return o, (S if output_final_state else None)
