@@ -3,10 +3,14 @@
 - q, k, v: standard normal (q and k are L2-normalised inside the operator).
 - g: standard normal raw gate input.
 - beta: normal logits around 0 (sigmoid spreads them over (0, 1)).
-- A_log: log of a rate drawn uniformly from [1, 16] per head (Mamba / FLA).
-- dt_bias: inverse softplus of a time step drawn log-uniformly from
-  [1e-3, 1e-1] per head and key dimension (Mamba's initialisation), so the
-  softplus gate gives decays exp(a) between about 0.2 and 1.
+- softplus gate: A_log = log of a rate drawn uniformly from [1, 16] per head
+  and dt_bias = inverse softplus of a time step drawn log-uniformly from
+  [1e-3, 1e-1] per head and key dimension (Mamba's / FLA's initialisation):
+  per-token decays exp(a) mostly between 0.8 and 1.
+- bounded gate: with that initialisation exp(A_log) * (g + dt_bias) sits near
+  -40 and the sigmoid is ~0 (no decay at all), which would test nothing; so
+  A_log = log U[0.5, 2] and dt_bias ~ N(-1, 0.5), which spreads
+  sigmoid(...) over (0, 1) and the decays over (exp(lower_bound), 1).
 - initial_state: normal, scaled like a state accumulated over ~K tokens.
 
 Everything is drawn on the CPU from one seeded generator, then moved, so the
@@ -44,9 +48,13 @@ def make_inputs(B=1, T=64, H=2, K=32, V=None, *, seed=0, dtype=torch.float32, de
     v = randn(B, T, H, V)
     g = randn(B, T, H, K)
     beta = randn(B, T, H)
-    A_log = torch.log(1.0 + 15.0 * rand(H))
-    dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(H, K))
-    dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if gate == "bounded":
+        A_log = torch.log(0.5 + 1.5 * rand(H))
+        dt_bias = -1.0 + 0.5 * randn(H, K)
+    else:
+        A_log = torch.log(1.0 + 15.0 * rand(H))
+        dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(H, K))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
     h = randn(B, H, K, V) * (1.0 / math.sqrt(K)) if h0 else None
 
     def place(x, dt_):

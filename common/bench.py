@@ -1,0 +1,122 @@
+"""Latency sweeps: one row per (stage, shape), forward and backward.
+
+Forward: ``stage.forward`` under no_grad. Backward: the gradient call alone on
+saved inputs: for compiled stages the extension's ``bwd`` (which recomputes
+what it needs), for stage 00 autograd's backward over a retained graph. On a
+GPU every figure comes twice: eager (CUDA events; host launch overhead
+included) and CUDA-graph replay (GPU time).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import extrun
+from .checks import stage_device
+from .contract import prepare
+from .fla_ref import fla_available, fla_forward
+from .inputs import make_cotangents, make_inputs
+from .stages import load_stage
+from .timing import time_call
+
+# The sweeps of the issues, in one place.
+CPU_SWEEP = [dict(B=1, T=t, H=2, K=32, V=32) for t in (64, 128, 256, 512)]
+FP32_GPU_SWEEP = [dict(B=2, T=t, H=4, K=64, V=64) for t in (128, 512, 2048, 8192)] + [
+    dict(B=1, T=1024, H=64, K=128, V=128)]
+TC_GPU_SHAPES = [dict(B=1, T=1024, H=64, K=128, V=128), dict(B=8, T=1024, H=64, K=128, V=128),
+                 dict(B=1, T=8192, H=64, K=128, V=128), dict(B=1, T=8192, H=96, K=128, V=128),
+                 dict(B=1, T=4096, H=16, K=128, V=128), dict(B=2, T=2048, H=4, K=64, V=64)]
+
+
+def shape_label(s: dict) -> str:
+    return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
+
+
+def _reps_for(fn, device, budget_s: float) -> int:
+    """Pick a repetition count so one measurement takes about ``budget_s``."""
+    fn()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    dt = max(time.perf_counter() - t0, 1e-6)
+    return int(max(3, min(50, budget_s / dt)))
+
+
+def _backward_fn(stage, kw, device):
+    """A closure that runs the stage's backward once on fixed inputs."""
+    spec = stage.SPEC
+    B, T, H, K, V = kw["q"].shape[0], kw["q"].shape[1], kw["q"].shape[2], kw["q"].shape[3], kw["v"].shape[3]
+    do, dht = make_cotangents((B, T, H, V), (B, H, K, V), seed=1)
+    do, dht = do.to(device), dht.to(device)
+    ext = stage.build() if hasattr(stage, "build") else None
+    if ext is not None:
+        c = prepare(spec, **kw)
+        return lambda: extrun.backward(ext, c, do, dht)
+    leaves = {n: (t.detach().requires_grad_(True) if torch.is_tensor(t) else t) for n, t in kw.items()}
+    o, S = stage.forward(**leaves)
+    inputs = [t for t in leaves.values() if torch.is_tensor(t)]
+    return lambda: torch.autograd.grad((o, S), inputs, (do, dht), retain_graph=True)
+
+
+def bench_stage(stage_id, shape: dict, *, gate="softplus", chunk=None, backward=None, device=None,
+                dtype=torch.float32, budget_s: float = 1.0, graph: bool = True) -> dict:
+    """Time one stage (or "fla") at one shape. Returns a flat row."""
+    if stage_id == "fla":
+        ok, why = fla_available()
+        if not ok:
+            raise RuntimeError(why)
+        name, fwd, dev, spec = "FLA chunk_kda", fla_forward, torch.device("cuda"), None
+        has_bwd = True if backward is None else backward
+    else:
+        stage = load_stage(stage_id)
+        spec = stage.SPEC
+        name, fwd, dev = spec.name, stage.forward, stage_device(spec, device)
+        has_bwd = spec.backward if backward is None else (backward and spec.backward)
+        if spec.compute_dtype == torch.bfloat16:
+            dtype = torch.bfloat16
+    kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=dtype,
+                     device=dev, gate=gate, chunk_size=chunk)
+    row = dict(stage=name, **shape, gate=gate, chunk=chunk if chunk else (spec.default_chunk if spec else 64),
+               dtype=str(dtype).replace("torch.", ""), device=str(dev))
+
+    def f():
+        with torch.no_grad():
+            fwd(**kw)
+
+    reps = _reps_for(f, dev, budget_s)
+    t = time_call(f, dev, reps=reps, graph=graph)
+    row.update({"fwd_" + k: v for k, v in t.items()})
+    if has_bwd:
+        if stage_id == "fla":
+            leaves = {n: (x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() else x)
+                      for n, x in kw.items()}
+            o, S = fla_forward(**leaves)
+            do, dht = torch.randn_like(o), torch.randn_like(S)
+            ins = [x for x in leaves.values() if torch.is_tensor(x) and x.requires_grad]
+            b = lambda: torch.autograd.grad((o, S), ins, (do, dht), retain_graph=True)  # noqa: E731
+            gb = False
+        else:
+            b = _backward_fn(stage, kw, dev)
+            gb = graph and stage.build() is not None
+        reps = _reps_for(b, dev, budget_s)
+        t = time_call(b, dev, reps=reps, graph=gb)
+        row.update({"bwd_" + k: v for k, v in t.items()})
+    return row
+
+
+def sweep(stage_ids, shapes, *, progress=None, **kw) -> list[dict]:
+    rows = []
+    for sid in stage_ids:
+        for shape in shapes:
+            if progress is not None:
+                progress(f"{sid} {shape_label(shape)}")
+            try:
+                rows.append(bench_stage(sid, shape, **kw))
+            except RuntimeError as e:  # out of memory or an unavailable reference: record why
+                rows.append(dict(stage=str(sid), **shape, error=str(e).splitlines()[0][:300]))
+    return rows

@@ -1,0 +1,214 @@
+"""Correctness checks shared by the tests, the notebooks and ``kdalab check``.
+
+A check draws fresh seeded inputs for a :class:`Case`, runs the stage with its
+outputs poisoned (NaN), and compares o, the final state and, for stages with a
+backward, all eight gradients against
+
+- the fp64 token-by-token reference (common.reference), and
+- the previous stage on the same inputs (same gate; a forward-only stage's
+  previous stage is run with the same gate and chunk size).
+
+Gradients come from ``torch.autograd.backward((o, S), (do, dht))`` with random
+cotangents, so the autograd wiring of each stage is checked too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .contract import poisoned
+from .inputs import TENSOR_ARGS, make_cotangents, make_inputs
+from .metrics import rel_err, tolerance
+from .reference import kda_reference
+from .stages import load_stage, previous
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    chunk: int = 64
+    gate: str = "softplus"
+    lower_bound: float | None = None
+    h0: bool = True
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        lb = f"{self.lower_bound:g}" if (self.gate == "bounded" and self.lower_bound is not None) else ""
+        return (f"B{self.B}-T{self.T}-H{self.H}-K{self.K}-V{self.V}-c{self.chunk}-{self.gate}{lb}"
+                f"{'' if self.h0 else '-noh0'}-s{self.seed}")
+
+
+def cpu_cases(quick: bool = False):
+    """Small shapes that run in seconds on a CPU: K != V, T not a multiple of
+    the chunk, h0 absent and present, both gates, every chunk size."""
+    cases = [
+        Case(1, 37, 2, 16, 24, chunk=16, gate="softplus", seed=1),
+        Case(2, 64, 1, 32, 32, chunk=32, gate="bounded", lower_bound=-5.0, h0=False, seed=2),
+        Case(1, 100, 2, 64, 48, chunk=64, gate="softplus", h0=False, seed=3),
+        Case(1, 70, 1, 8, 5, chunk=16, gate="bounded", lower_bound=-1.0, seed=4),
+    ]
+    return cases[:2] if quick else cases
+
+
+def gpu_cases(quick: bool = False):
+    """Shapes for the fp32 CUDA stages: also B*H above the H200's 132 SMs,
+    K, V = 256 and long T."""
+    cases = cpu_cases() + [
+        Case(2, 300, 3, 64, 64, chunk=64, gate="softplus", seed=11),
+        Case(3, 129, 50, 32, 48, chunk=32, gate="bounded", lower_bound=-5.0, h0=False, seed=12),
+        Case(1, 200, 2, 128, 96, chunk=16, gate="softplus", seed=13),
+        Case(1, 80, 1, 256, 256, chunk=64, gate="bounded", lower_bound=-3.0, seed=14),
+        Case(1, 1000, 2, 64, 64, chunk=64, gate="softplus", h0=False, seed=15),
+    ]
+    return cases[:6] if quick else cases
+
+
+def tc_cases(quick: bool = False):
+    """Shapes for the tensor-core stages (bf16, bounded gate, chunk 16, K = V)."""
+    cases = [
+        Case(1, 100, 2, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0, seed=21),
+        Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, h0=False, seed=22),
+        Case(1, 1000, 2, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=23),
+        Case(2, 64, 80, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, seed=24),
+    ]
+    return cases[:2] if quick else cases
+
+
+def case_inputs(case: Case, device="cpu", dtype=torch.float32):
+    return make_inputs(case.B, case.T, case.H, case.K, case.V, seed=case.seed, dtype=dtype, device=device,
+                       gate=case.gate, lower_bound=case.lower_bound, h0=case.h0, chunk_size=case.chunk)
+
+
+def _leaves(inp: dict, device, requires_grad: bool) -> dict:
+    out = dict(inp)
+    for n in TENSOR_ARGS:
+        t = inp[n]
+        if t is not None:
+            out[n] = t.detach().to(device).requires_grad_(requires_grad)
+    return out
+
+
+def run(fn, inp: dict, device, *, backward: bool, cotangents=None, dtype=None) -> dict:
+    """Call ``fn`` (a stage's forward or the reference) on fresh leaves on
+    ``device`` with poisoned outputs. Returns {"o", "S"} and, with ``backward``,
+    {"d" + name} for the eight inputs (None where an input is absent)."""
+    kw = _leaves(inp, device, backward)
+    if dtype is not None:
+        for n in TENSOR_ARGS:
+            if kw[n] is not None:
+                kw[n] = kw[n].detach().to(dtype).requires_grad_(backward)
+    with poisoned(), torch.set_grad_enabled(backward):
+        o, S = fn(**kw)
+        res = {"o": o.detach(), "S": S.detach()}
+        if backward:
+            do, dht = cotangents
+            torch.autograd.backward((o, S), (do.to(o.device, o.dtype), dht.to(S.device, S.dtype)))
+            for n in TENSOR_ARGS:
+                t = kw[n]
+                res["d" + n] = None if t is None else (t.grad if t.grad is not None else torch.zeros_like(t))
+    return res
+
+
+def stage_device(spec, want=None) -> torch.device:
+    """Where a stage runs: ``want`` if it supports that device type, else its first."""
+    if want is not None and torch.device(want).type in spec.devices:
+        return torch.device(want)
+    for d in spec.devices:
+        if d == "cpu" or (d == "cuda" and torch.cuda.is_available()):
+            return torch.device(d)
+    raise RuntimeError(f"stage {spec.name} cannot run here: {spec.runnable_here()[1]}")
+
+
+def precision(spec) -> str:
+    return "bf16" if spec.compute_dtype == torch.bfloat16 else "fp32"
+
+
+def check_case(stage_id, case: Case, *, device=None, backward=None, against_prev=True,
+               ref_device=None) -> list[dict]:
+    """Errors of one stage on one case: a row per output (o, S, gradients) with
+    the error against the fp64 reference and against the previous stage."""
+    stage = load_stage(stage_id)
+    spec = stage.SPEC
+    dev = stage_device(spec, device)
+    backward = spec.backward if backward is None else (backward and spec.backward)
+    in_dtype = spec.compute_dtype
+    inp = case_inputs(case, "cpu", in_dtype)
+    cot = make_cotangents((case.B, case.T, case.H, case.V), (case.B, case.H, case.K, case.V), seed=case.seed)
+
+    got = run(stage.forward, inp, dev, backward=backward, cotangents=cot)
+    rdev = torch.device(ref_device) if ref_device is not None else dev
+    ref = run(kda_reference, inp, rdev, backward=backward, cotangents=cot, dtype=torch.float64)
+    prev = None
+    pid = previous(spec.id) if against_prev else None
+    if pid is not None:
+        pstage = load_stage(pid)
+        pdev = stage_device(pstage.SPEC, dev)
+        pb = backward and pstage.SPEC.backward
+        prev = run(pstage.forward, inp, pdev, backward=pb, cotangents=cot)
+    tol = tolerance(precision(spec))
+    rows = []
+    for name, x in got.items():
+        if x is None:
+            continue
+        r = rel_err(x, ref[name])
+        p = rel_err(x, prev[name]) if (prev is not None and prev.get(name) is not None) else None
+        ok = r <= tol and (p is None or p <= tol)
+        rows.append(dict(stage=spec.name, case=case.id, output=name, err_ref=r, err_prev=p,
+                         prev=(load_stage(pid).SPEC.name if pid else None), tol=tol, ok=ok))
+    return rows
+
+
+def check_stage(stage_id, cases, **kw) -> list[dict]:
+    rows = []
+    for case in cases:
+        rows += check_case(stage_id, case, **kw)
+    return rows
+
+
+def check_deterministic(stage_id, case: Case, device=None) -> bool:
+    """Two forward calls on the same inputs give bitwise identical o and S."""
+    stage = load_stage(stage_id)
+    dev = stage_device(stage.SPEC, device)
+    inp = case_inputs(case, "cpu", stage.SPEC.compute_dtype)
+    a = run(stage.forward, inp, dev, backward=False)
+    b = run(stage.forward, inp, dev, backward=False)
+    return all(torch.equal(a[n], b[n]) for n in ("o", "S"))
+
+
+def summarize(rows) -> list[dict]:
+    """Worst error per (stage, output) over all cases."""
+    worst: dict = {}
+    for r in rows:
+        key = (r["stage"], r["output"])
+        w = worst.setdefault(key, dict(stage=r["stage"], output=r["output"], err_ref=0.0, err_prev=None,
+                                       prev=r["prev"], tol=r["tol"], ok=True, cases=0))
+        w["err_ref"] = max(w["err_ref"], r["err_ref"])
+        if r["err_prev"] is not None:
+            w["err_prev"] = max(w["err_prev"] or 0.0, r["err_prev"])
+        w["ok"] = w["ok"] and r["ok"]
+        w["cases"] += 1
+    return list(worst.values())
+
+
+def format_rows(rows, *, columns=("stage", "case", "output", "err_ref", "err_prev", "ok")) -> str:
+    """A Markdown table of check rows (errors in %.2e)."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.2e}"
+        if v is None:
+            return "-"
+        return str(v)
+
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |\n" for r in rows)
+
+
+__all__ = ["Case", "cpu_cases", "gpu_cases", "tc_cases", "case_inputs", "run", "check_case", "check_stage",
+           "check_deterministic", "summarize", "format_rows", "stage_device", "asdict"]

@@ -1,0 +1,160 @@
+"""Reports: the tour (build, check, time, profile every stage this machine can
+run, list the others with their recorded figures) and the results tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import bench, checks, results
+from .paths import RESULTS_DIR
+from .plotting import plot_latency, plot_profile
+from .stages import STAGE_DIRS, load_stage, previous
+
+# The shape a stage's profile is taken at, per device type.
+PROFILE_SHAPE = {"cpu": dict(B=1, T=256, H=2, K=32, V=32), "cuda": dict(B=2, T=2048, H=4, K=64, V=64)}
+
+
+def _fmt(v, spec="{:.3g}"):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return spec.format(v)
+    return str(v)
+
+
+def md_table(rows, columns, headers=None) -> str:
+    headers = headers or columns
+    out = "| " + " | ".join(headers) + " |\n|" + "---|" * len(columns) + "\n"
+    for r in rows:
+        out += "| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |\n"
+    return out
+
+
+def latency_table(rows) -> str:
+    cols = ["stage", "B", "T", "H", "K", "V", "fwd_ms", "fwd_graph_ms", "bwd_ms", "bwd_graph_ms"]
+    return md_table(rows, [c for c in cols if any(c in r for r in rows)])
+
+
+def recorded_rows(stage_name: str) -> list[tuple[dict, list]]:
+    """[(meta, rows)] of every recorded results file that has rows for a stage."""
+    out = []
+    for p in sorted(RESULTS_DIR.glob("*/*.json")):
+        try:
+            data = results.load(p)
+        except (OSError, json.JSONDecodeError):
+            continue
+        rows = [r for r in data.get("rows", []) if r.get("stage") == stage_name]
+        if rows:
+            out.append((data.get("meta", {}), rows))
+    return out
+
+
+def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bool = False) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary, lat_rows, profiles, md, all_ok = [], [], {}, [], True
+    meta = results.metadata(command="kdalab tour" + (" --quick" if quick else ""))
+    md.append(f"# KDA Lab tour\n\n{meta['device']}, {meta['date']}, commit {meta['commit']}, "
+              f"torch {meta['torch']}.\n")
+    for sid in stage_ids:
+        d = STAGE_DIRS[sid]
+        try:
+            stage = load_stage(sid)
+        except FileNotFoundError:
+            say(f"[tour] {d}: not written yet (see stages/{d}/README.md)")
+            summary.append(dict(stage=d, status="not written yet"))
+            continue
+        spec = stage.SPEC
+        ok, why = spec.runnable_here()
+        if not ok:
+            rec = recorded_rows(spec.name)
+            say(f"[tour] {spec.name}: skipped here: {why}" + (f"; {len(rec)} recorded result file(s)" if rec else
+                                                               "; no recorded results yet"))
+            summary.append(dict(stage=spec.name, status=f"cannot run here: {why}"))
+            md.append(f"## {spec.name}: not run here\n\n{why}.\n")
+            for m, rows in rec:
+                md.append(f"Recorded ({results.label(m)}):\n\n{latency_table(rows)}\n")
+            continue
+        say(f"[tour] {spec.name}: building ...")
+        stage.build()
+        if spec.regions and stage.build() is not None:
+            stage.build(profile=True)
+        dev = checks.stage_device(spec)
+        cases = checks.cpu_cases(quick) if dev.type == "cpu" else (
+            checks.tc_cases(quick) if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases(quick))
+        say(f"[tour] {spec.name}: checking on {len(cases)} cases against the fp64 reference"
+            + (f" and {load_stage(previous(sid)).SPEC.name}" if previous(sid) else "") + " ...")
+        rows = checks.check_stage(sid, cases)
+        worst = checks.summarize(rows)
+        stage_ok = all(r["ok"] for r in rows)
+        all_ok &= stage_ok
+        shapes = bench.CPU_SWEEP[:3] if (quick and dev.type == "cpu") else (
+            bench.CPU_SWEEP if dev.type == "cpu" else bench.FP32_GPU_SWEEP)
+        say(f"[tour] {spec.name}: timing {len(shapes)} shapes on {dev.type} ...")
+        lrows = bench.sweep([sid], shapes, budget_s=0.5 if quick else 1.0,
+                            progress=lambda m: say(f"[tour]   {m}"))
+        lat_rows += lrows
+        pshape = PROFILE_SHAPE[dev.type]
+        kw = checks.make_inputs(**pshape, seed=0, device=dev)
+        profiles[spec.name] = stage.profile(**kw, backward=spec.backward)
+        summary.append(dict(stage=spec.name, status="ok" if stage_ok else "FAILED",
+                            err_ref=max(r["err_ref"] for r in worst),
+                            err_prev=max((r["err_prev"] for r in worst if r["err_prev"] is not None), default=None),
+                            fwd_ms=lrows[-1].get("fwd_ms"), bwd_ms=lrows[-1].get("bwd_ms")))
+        md.append(f"## {spec.name}: {spec.title}\n\nChecks ({len(cases)} cases, worst per output):\n\n"
+                  + checks.format_rows(worst, columns=("output", "err_ref", "err_prev", "tol", "ok")) + "\n"
+                  + f"Profile at {bench.shape_label(pshape)} ({spec.region_unit}):\n\n"
+                  + md_table([dict(region=k, value=v) for k, v in profiles[spec.name].items()], ["region", "value"])
+                  + "\n")
+    if lat_rows:
+        ax = plot_latency([r for r in lat_rows if "fwd_ms" in r], y="fwd_ms", title="Forward latency (this machine)",
+                          ylabel="ms")
+        ax.figure.savefig(out_dir / "latency.png", dpi=110)
+        md.append("## Latency\n\n![latency](latency.png)\n\n" + latency_table(lat_rows))
+    for unit in {load_stage(s).SPEC.region_unit for s in stage_ids if load_stage_safe(s)}:
+        profs = {k: v for k, v in profiles.items() if _unit_of(k) == unit}
+        if profs:
+            ax = plot_profile(profs, unit, title=f"Where the time goes ({unit})")
+            name = f"profile_{'cpu' if unit == 's' else 'gpu'}.png"
+            ax.figure.savefig(out_dir / name, dpi=110)
+            md.append(f"\n![profile]({name})\n")
+    table = md_table(summary, ["stage", "status", "err_ref", "err_prev", "fwd_ms", "bwd_ms"],
+                     ["stage", "status", "max err vs fp64", "max err vs prev", "fwd ms (last shape)",
+                      "bwd ms (last shape)"])
+    md.insert(1, "## Summary\n\n" + table)
+    path = out_dir / "tour.md"
+    path.write_text("\n".join(md))
+    results.save(out_dir / "tour.json", lat_rows, meta)
+    if record:
+        results.save(RESULTS_DIR / "cpu" / "tour.json", lat_rows, meta)
+    return dict(ok=all_ok, table=table, path=path, rows=lat_rows, profiles=profiles)
+
+
+def load_stage_safe(sid):
+    try:
+        return load_stage(sid)
+    except FileNotFoundError:
+        return None
+
+
+def _unit_of(stage_name):
+    for sid, d in STAGE_DIRS.items():
+        if d == stage_name:
+            return load_stage(sid).SPEC.region_unit
+    return None
+
+
+def results_markdown() -> str:
+    """The results table of the README, from the recorded JSON files."""
+    lines = []
+    for p in sorted(RESULTS_DIR.glob("*/*.json")):
+        data = results.load(p)
+        rows = [r for r in data.get("rows", []) if "fwd_ms" in r]
+        if not rows:
+            continue
+        lines.append(f"**{p.relative_to(RESULTS_DIR.parent)}** — {results.label(data['meta'])}\n")
+        lines.append(latency_table(rows))
+    return "\n".join(lines) if lines else "(no recorded results yet)"

@@ -1,0 +1,76 @@
+"""The results store: JSON files with the device, date, commit and command that
+produced them. Recorded GPU figures live in results/ (committed) and are what a
+machine without a GPU shows, labelled as recorded.
+
+A results file is {"meta": {...}, "rows": [...]}; rows are flat dicts (stage,
+shape, ms, graph_ms, errors, ...), rendered into tables and plots by
+common.plotting and common.report.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .paths import REPO_ROOT, RESULTS_DIR
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        sha = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("KDALAB_COMMIT", "unknown")
+
+
+def device_name(device=None) -> str:
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def metadata(command: str | None = None, device=None) -> dict:
+    return {
+        "device": device_name(device),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": os.environ.get("KDALAB_COMMIT") or git_commit(),
+        "command": command or " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def save(path, rows, meta: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    return path
+
+
+def load(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def recorded(name: str, device_dir: str = "h200") -> dict | None:
+    """A recorded results file results/<device_dir>/<name>.json, or None."""
+    p = RESULTS_DIR / device_dir / f"{name}.json"
+    return load(p) if p.exists() else None
+
+
+def label(meta: dict) -> str:
+    """One line saying where recorded figures come from."""
+    return (f"recorded on {meta.get('device')} at {meta.get('date')}, commit {meta.get('commit')}, "
+            f"command: {meta.get('command')}")
