@@ -1,0 +1,158 @@
+"""What the notebooks call: each function measures live when this machine can
+run the stage, and otherwise shows the recorded GPU figures, labelled as
+recorded (device, date, commit, command). Notebooks stay narrative + calls."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from . import bench, checks, results
+from .build import resource_usage
+from .plotting import plot_bars, plot_latency, plot_profile
+from .report import PROFILE_SHAPE
+from .stages import STAGE_DIRS, load_stage, previous
+from .paths import STAGES_DIR
+
+
+def environment() -> str:
+    """One line about this machine (what the notebook will do live)."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    line = f"torch {torch.__version__}, {gpu}"
+    print(line)
+    return line
+
+
+def build(stage_id, profile=True):
+    """Build a stage (and its profile variant); returns the stage module."""
+    stage = load_stage(stage_id)
+    stage.build()
+    if profile and stage.build() is not None:
+        stage.build(profile=True)
+    return stage
+
+
+def _recorded(name):
+    data = results.recorded(name)
+    return (data["meta"], data["rows"]) if data else (None, [])
+
+
+def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
+    """Worst relative error per output against the fp64 reference and the
+    previous stage. Live when the stage runs here, else recorded."""
+    stage = load_stage(stage_id)
+    spec = stage.SPEC
+    ok, why = spec.runnable_here()
+    if ok:
+        dev = checks.stage_device(spec)
+        cases = (checks.cpu_cases(quick) if dev.type == "cpu" else
+                 checks.tc_cases(quick) if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases(quick))
+        rows = checks.check_stage(stage_id, cases)
+        worst = checks.summarize(rows)
+        bad = [r for r in rows if not r["ok"]]
+        print(f"measured live on {dev}: {len(cases)} cases, {len(rows)} comparisons, "
+              f"{'all within ' + format(worst[0]['tol'], 'g') if not bad else str(len(bad)) + ' ABOVE tolerance'}")
+    else:
+        meta, rows = _recorded("checks")
+        worst = [r for r in rows if r.get("stage") == spec.name]
+        if not worst:
+            print(f"{spec.name} cannot run here ({why}) and has no recorded checks yet")
+            return pd.DataFrame()
+        print(f"{spec.name} cannot run here ({why}); showing figures {results.label(meta)}")
+    df = pd.DataFrame(worst)
+    cols = [c for c in ("output", "err_ref", "err_prev", "prev", "tol", "ok", "cases") if c in df]
+    return df[cols].style.format({"err_ref": "{:.2e}", "err_prev": "{:.2e}", "tol": "{:.0e}"}, na_rep="-")
+
+
+def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
+    """Stacked bars of the region profile of a stage next to the previous one
+    (same unit only). Live when possible, else recorded."""
+    ids = [stage_id]
+    pid = previous(stage_id)
+    if compare_previous and pid is not None:
+        ids.insert(0, pid)
+    unit = load_stage(stage_id).SPEC.region_unit
+    profs, notes = {}, []
+    meta, rec = _recorded("profiles")
+    for sid in ids:
+        spec = load_stage(sid).SPEC
+        if spec.region_unit != unit:
+            continue
+        ok, why = spec.runnable_here()
+        if ok:
+            dev = checks.stage_device(spec)
+            kw = checks.make_inputs(**PROFILE_SHAPE[dev.type], seed=0, device=dev)
+            profs[spec.name] = load_stage(sid).profile(**kw, backward=backward and spec.backward)
+            notes.append(f"{spec.name}: live on {dev}")
+        else:
+            rows = [r for r in rec if r.get("stage") == spec.name]
+            if rows:
+                profs[spec.name] = {r["region"]: r["value"] for r in rows}
+                notes.append(f"{spec.name}: recorded")
+            else:
+                notes.append(f"{spec.name}: no figures ({why})")
+    shape = PROFILE_SHAPE["cpu" if unit == "s" else "cuda"]
+    print("; ".join(notes) + f" -- shape {bench.shape_label(shape)}")
+    if meta is not None and any("recorded" in n for n in notes):
+        print("recorded: " + results.label(meta))
+    if not profs:
+        return None
+    ax = plot_profile(profs, unit, title=f"Region profile ({'wall time' if unit == 's' else 'clock64 cycles per block'})")
+    return ax
+
+
+def latency(stage_ids, *, sweep: str = "auto", with_fla: bool = False, y: str = "fwd_ms", title=None):
+    """Latency against T for a few stages: live for the stages that run here
+    (CPU sweep on a CPU), recorded H200 figures for the rest."""
+    live_rows, rec_rows = [], []
+    meta, rec = _recorded("fp32_stages")
+    for sid in stage_ids:
+        if sid == "fla":
+            rec_rows += [r for r in rec if r.get("stage") == "FLA chunk_kda"]
+            continue
+        spec = load_stage(sid).SPEC
+        ok, _ = spec.runnable_here()
+        dev = checks.stage_device(spec) if ok else None
+        if ok and (dev.type == "cuda" or sweep in ("auto", "cpu")):
+            shapes = bench.CPU_SWEEP if dev.type == "cpu" else bench.FP32_GPU_SWEEP
+            live_rows += bench.sweep([sid], shapes, budget_s=0.3)
+        rec_rows += [r for r in rec if r.get("stage") == spec.name]
+    figs = []
+    for rows, where in ((live_rows, "measured live"), (rec_rows, "recorded")):
+        rows = [dict(r, series=f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})") for r in rows
+                if r.get(y) is not None]
+        sweep_rows = [r for r in rows if not (r["H"] == 64 and r["K"] == 128)]
+        if not sweep_rows:
+            continue
+        ax = plot_latency(sweep_rows, y=y, by="series", ylabel=y.replace("_", " "),
+                          title=title or f"{y.replace('_', ' ')} vs T ({where})")
+        figs.append(ax)
+        if where == "recorded" and meta is not None:
+            print("recorded: " + results.label(meta))
+    if not figs:
+        print("no latency figures for these stages on this machine yet")
+    return figs
+
+
+def latency_rows(stage_ids, name: str = "fp32_stages") -> pd.DataFrame:
+    """The recorded latency rows of some stages as a table."""
+    meta, rec = _recorded(name)
+    names = [("FLA chunk_kda" if s == "fla" else load_stage(s).SPEC.name) for s in stage_ids]
+    rows = [r for r in rec if r.get("stage") in names]
+    if meta is not None:
+        print("recorded: " + results.label(meta))
+    cols = ["stage", "B", "T", "H", "K", "V", "fwd_ms", "fwd_graph_ms", "bwd_ms", "bwd_graph_ms"]
+    df = pd.DataFrame(rows)
+    return df[[c for c in cols if c in df]] if len(df) else df
+
+
+def resources(stage_id) -> pd.DataFrame:
+    """Registers, shared memory, stack and spills per kernel (ptxas -v, sm_90),
+    compiled here: no GPU needed."""
+    stage = load_stage(stage_id)
+    rows = resource_usage(STAGES_DIR / STAGE_DIRS[stage.SPEC.id], stage.SOURCES,
+                          cutlass=stage.SPEC.extra.get("cutlass", False))
+    return pd.DataFrame(rows)
+
+
+__all__ = ["environment", "build", "error_table", "profile", "latency", "latency_rows", "resources", "plot_bars"]
