@@ -115,6 +115,12 @@ def cmd_bench(args) -> int:
 
 
 def cmd_results(args) -> int:
+    if args.write_readme:
+        from .paths import REPO_ROOT
+
+        changed = report.update_readme(REPO_ROOT / "README.md")
+        _say("README.md results block " + ("updated" if changed else "already up to date"))
+        return 0
     _say(report.results_markdown())
     return 0
 
@@ -143,7 +149,9 @@ def main(argv=None) -> int:
     b.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
     b.add_argument("--out", required=True)
     b.set_defaults(fn=cmd_bench)
-    sub.add_parser("results", help="print the recorded results table").set_defaults(fn=cmd_results)
+    r = sub.add_parser("results", help="print the recorded results table")
+    r.add_argument("--write-readme", action="store_true", help="rewrite the results block of README.md")
+    r.set_defaults(fn=cmd_results)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -9,8 +9,9 @@ in preallocated (so checks can poison them):
         chunk_size, do, dht | None, dq, dk, dv, dg, dbeta, dA_log, ddt_bias,
         dh0 | None, prof | None)
 
-o and ht are float32 ([B, T, H, V], [B, H, K, V]); every gradient is float32 in
-the shape of its input. ``prof`` is the profile buffer of the -DKDA_PROFILE
+o is [B, T, H, V] in the stage's compute dtype (float32 for 01-04, bfloat16
+for the tensor-core stages), ht is float32 [B, H, K, V]; every gradient is
+float32 in the shape of its input. ``prof`` is the profile buffer of the -DKDA_PROFILE
 build (None otherwise): float64 seconds [1, 16] on the CPU, int64 cycles
 [slots, 16] on the GPU (see common/include/kda_profile.cuh).
 """
@@ -28,7 +29,7 @@ MAX_REGIONS = 16
 
 def _fwd(ext, c: Call, prof=None):
     dev = c.device
-    o = alloc((c.B, c.T, c.H, c.V), torch.float32, dev)
+    o = alloc((c.B, c.T, c.H, c.V), c.q.dtype, dev)
     ht = alloc((c.B, c.H, c.K, c.V), torch.float32, dev)
     ext.fwd(c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state, c.scale, c.gate_id,
             c.lower_bound, c.chunk_size, o, ht, prof)

@@ -158,3 +158,22 @@ def results_markdown() -> str:
         lines.append(f"**{p.relative_to(RESULTS_DIR.parent)}** — {results.label(data['meta'])}\n")
         lines.append(latency_table(rows))
     return "\n".join(lines) if lines else "(no recorded results yet)"
+
+
+README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def readme_block() -> str:
+    return f"{README_START}\n{results_markdown()}\n{README_END}"
+
+
+def update_readme(path) -> bool:
+    """Rewrite the results block of README.md from results/. Returns True if it changed."""
+    from pathlib import Path as _P
+
+    text = _P(path).read_text()
+    a, b = text.index(README_START), text.index(README_END) + len(README_END)
+    new = text[:a] + readme_block() + text[b:]
+    if new != text:
+        _P(path).write_text(new)
+    return new != text

@@ -1,0 +1,141 @@
+"""One GPU session: build the CUDA stages, run the GPU tests, compute-sanitizer,
+record checks, profiles and latencies as JSON under $OUT.
+
+    python scripts/gpu_run.py --stages 02,03,04 [--skip bench,sanitize,...] [--fla]
+
+Meant for the lent H200 (no network: extra wheels travel in .whl/ and are
+installed to /tmp/site by scripts/gpu_run.sh). Every step has its own timeout
+and writes its output under $OUT as it goes, so a step that runs long loses
+nothing already measured. Copy what comes back into results/h200/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OUT = Path(os.environ.get("OUT", "/tmp/kdalab-out"))
+OUT.mkdir(parents=True, exist_ok=True)
+LOG = OUT / "log.txt"
+
+
+def log(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    with open(LOG, "a") as f:
+        f.write(line + "\n")
+
+
+def sh(cmd, timeout, name):
+    """Run a command, append its output to $OUT/<name>.txt; return its exit code."""
+    t0 = time.time()
+    with open(OUT / f"{name}.txt", "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    log(f"{name}: rc={rc} ({time.time() - t0:.0f} s)")
+    return rc
+
+
+def build_all(stages):
+    """Build every extension (normal + profile) in parallel processes."""
+    code = ("import sys; from common.stages import load_stage; s = load_stage(sys.argv[1]); "
+            "s.build(profile=sys.argv[2] == '1')")
+    jobs = [(s, p) for s in stages for p in ("0", "1")]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        rcs = list(ex.map(lambda j: sh([sys.executable, "-c", code, j[0], j[1]], 900, f"build"), jobs))
+    return all(rc == 0 for rc in rcs)
+
+
+def record_checks(stages):
+    import torch
+
+    from common import checks
+    from common.results import metadata, save
+    from common.stages import load_stage
+
+    rows = []
+    for sid in stages:
+        spec = load_stage(sid).SPEC
+        cases = checks.tc_cases() if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases()
+        t0 = time.time()
+        r = checks.check_stage(sid, cases, device="cuda")
+        worst = checks.summarize(r)
+        det = checks.check_deterministic(sid, cases[min(5, len(cases) - 1)], device="cuda")
+        for w in worst:
+            w["deterministic_fwd"] = det
+        rows += worst
+        bad = [x for x in r if not x["ok"]]
+        log(f"checks {spec.name}: {len(r)} comparisons, {len(bad)} above tolerance, deterministic={det} "
+            f"({time.time() - t0:.0f} s)")
+        for x in bad[:20]:
+            log(f"   FAIL {x['case']} {x['output']} err_ref={x['err_ref']:.3e} err_prev={x['err_prev']}")
+        save(OUT / "checks.json", rows, metadata(command="python scripts/gpu_run.py (checks)"))
+
+
+def record_profiles(stages):
+    from common import checks
+    from common.report import PROFILE_SHAPE
+    from common.results import metadata, save
+    from common.stages import load_stage
+
+    rows = []
+    for sid in stages:
+        stage = load_stage(sid)
+        kw = checks.make_inputs(**PROFILE_SHAPE["cuda"], seed=0, device="cuda")
+        prof = stage.profile(**kw, backward=stage.SPEC.backward)
+        rows += [dict(stage=stage.SPEC.name, region=k, value=v, unit=stage.SPEC.region_unit,
+                      **PROFILE_SHAPE["cuda"]) for k, v in prof.items()]
+        log(f"profile {stage.SPEC.name}: " + ", ".join(f"{k}={v:.3g}" for k, v in prof.items()))
+    save(OUT / "profiles.json", rows, metadata(command="python scripts/gpu_run.py (profiles)"))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", default="02,03,04")
+    p.add_argument("--skip", default="")
+    p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmark")
+    p.add_argument("--bench-timeout", type=int, default=300)
+    args = p.parse_args()
+    stages = args.stages.split(",")
+    skip = set(args.skip.split(",")) - {""}
+    import torch
+
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, stages {stages}")
+    if not build_all(stages):
+        log("BUILD FAILED: see build.txt")
+        return 1
+    if "tests" not in skip:
+        sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_contract.py"],
+           900, "pytest")
+    if "checks" not in skip:
+        record_checks(stages)
+    if "profiles" not in skip:
+        record_profiles(stages)
+    if "sanitize" not in skip:
+        for sid in stages:
+            for tool in ("memcheck", "racecheck", "synccheck"):
+                sh(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", sys.executable,
+                    "scripts/sanitize_case.py", sid], 300, "sanitizer")
+    if "bench" not in skip:
+        ids = ",".join(stages + (["fla"] if args.fla else []))
+        sh([sys.executable, "-m", "common.cli", "bench", "--stages", ids, "--sweep", "fp32-gpu",
+            "--out", str(OUT / "fp32_stages.json"), "--budget", "0.5"], args.bench_timeout, "bench")
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

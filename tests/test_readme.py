@@ -1,0 +1,15 @@
+"""The README's results table is generated from results/ and must be current."""
+
+from common.paths import REPO_ROOT
+from common.report import readme_block
+
+
+def test_readme_results_block_is_current():
+    text = (REPO_ROOT / "README.md").read_text()
+    assert readme_block() in text, "README results are stale: run `kdalab results --write-readme`"
+
+
+def test_readme_names_the_commands():
+    text = (REPO_ROOT / "README.md").read_text()
+    for cmd in ("pip install -e '.[dev]'", "pytest", "kdalab tour", "kdalab check 01"):
+        assert cmd in text
