@@ -131,8 +131,9 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
                                "(or set CUTLASS_PATH to a CUTLASS checkout)")
         includes.append(inc)
     defs = ["-DKDA_PROFILE"] if profile else []
-    cflags = ["-O3", "-std=c++17"] + defs + list(extra_cflags)
-    cuda_flags = ["-O3", "-std=c++17", "-lineinfo"] + defs + list(extra_cuda_cflags)
+    # torch adds the C++ standard its headers need (C++20 from torch 2.14 on)
+    cflags = ["-O3"] + defs + list(extra_cflags)
+    cuda_flags = ["-O3", "-lineinfo"] + defs + list(extra_cuda_cflags)
     t0 = time.time()
     if not quiet:
         print(f"[kdalab] building {name} in {build_dir} ...", flush=True)
@@ -236,7 +237,7 @@ def _parse_ptxas(text: str):
     rows = [r for r in rows if r["registers"] > 0]
     names = _demangle([r["kernel"] for r in rows])
     for r, n in zip(rows, names):
-        r["kernel"] = re.sub(r"\(.*", "", n).replace("(anonymous namespace)::", "")
+        r["kernel"] = re.sub(r"\(.*", "", n.replace("(anonymous namespace)::", ""))
     return rows
 
 
