@@ -15,7 +15,7 @@ from common.build import load_extension
 from common.contract import StageSpec, prepare
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["kda.cpp"]
+SOURCES = ["binding.cpp", "kda.cpp"]
 
 SPEC = StageSpec(
     name="01_cpp",
@@ -27,7 +27,8 @@ SPEC = StageSpec(
     compute_dtype=torch.float32,
     backward=True,
     regions=(
-        "fwd: pre-stage", "fwd: WY transform", "fwd: recurrence",
+        # ids 0-7, in the order of the Region enum in binding.cpp
+        "fwd: pre-stage", "fwd: WY transform", "fwd: Aqk", "fwd: recurrence",
         "bwd: recompute", "bwd: reverse recurrence", "bwd: WY adjoint", "bwd: pre-stage adjoint",
     ),
     region_unit="s",
