@@ -49,15 +49,24 @@ def kda_reference(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state
     """
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     A_log, dt_bias = A_log.to(dtype), dt_bias.to(dtype)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    K = q.shape[-1]
     if scale is None:
         scale = K ** -0.5
     qn, kn, b, a = activate(q, k, g, beta, A_log, dt_bias, gate=gate, lower_bound=lower_bound)
+    h0 = None if initial_state is None else initial_state.to(dtype)
+    o, S = kda_recurrence(qn, kn, v, b, a, scale=scale, initial_state=h0)
+    return o, (S if output_final_state else None)
+
+
+def kda_recurrence(qn, kn, v, b, a, *, scale, initial_state=None):
+    """The token loop on activated inputs (q, k normalised, beta after sigmoid,
+    log-decay a). Shapes as kda_reference; returns (o, final state)."""
+    B, T, H, K = qn.shape
+    V = v.shape[-1]
     if initial_state is None:
-        S = torch.zeros(B, H, K, V, dtype=dtype, device=q.device)
+        S = torch.zeros(B, H, K, V, dtype=qn.dtype, device=qn.device)
     else:
-        S = initial_state.to(dtype)
+        S = initial_state
     outs = []
     for t in range(T):
         S = S * torch.exp(a[:, t])[..., None]  # [B, H, K, V]
@@ -66,5 +75,4 @@ def kda_reference(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state
         delta = b[:, t][..., None] * (v[:, t] - pred)  # [B, H, V]
         S = S + kt[..., None] * delta[..., None, :]
         outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, qn[:, t]))
-    o = torch.stack(outs, dim=1)  # [B, T, H, V]
-    return o, (S if output_final_state else None)
+    return torch.stack(outs, dim=1), S  # [B, T, H, V], [B, H, K, V]

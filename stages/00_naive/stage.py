@@ -91,7 +91,7 @@ def _pairwise(x, y, gc):
     for i in range(BT):
         keep = (rows >= i)[:, None]  # [BT, 1]: rows c >= i
         diff = torch.where(keep, gc - gc[..., i:i + 1, :], torch.zeros_like(gc))  # [..., BT, K]
-        col = (x * torch.exp(diff) * y[..., i:i + 1, :]).sum(-1)  # [..., BT]
+        col = (x * torch.exp(diff.float()) * y[..., i:i + 1, :]).sum(-1)  # [..., BT]
         cols.append(torch.where(keep[:, 0], col, torch.zeros_like(col)))
     return torch.stack(cols, dim=-1)  # [..., BT(c), BT(i)]
 
@@ -117,7 +117,11 @@ def chunk_kda(c, clock=None):
     q, k, a = (_chunks(t, NT, BT) for t in (q, k, a))  # [B, H, NT, BT, K]
     v = _chunks(c.v, NT, BT)  # [B, H, NT, BT, V]
     beta = _chunks(beta, NT, BT)  # [B, H, NT, BT]
-    gc = a.cumsum(dim=-2)  # [B, H, NT, BT, K] gate sum inside each chunk
+    # The gate sum is kept in float64: a float32 gc carries an absolute error of
+    # ~1e-7 |gc|, which the differences gc_c - gc_i below turn into relative
+    # errors of L, Aqk and kr, and whose gradient (a reverse cumsum of +t/-t
+    # pairs) cancels badly in float32. Everything else stays float32.
+    gc = a.double().cumsum(dim=-2)  # [B, H, NT, BT, K] gate sum inside each chunk (fp64)
     glast = gc[..., -1:, :]  # [B, H, NT, 1, K]
     clock.lap("fwd: pre-stage")
 
@@ -126,15 +130,15 @@ def chunk_kda(c, clock=None):
     L = beta[..., :, None] * _pairwise(k, k, gc) * (1.0 - eye)  # [B, H, NT, BT, BT] strict lower
     Af = torch.linalg.solve_triangular(eye + L, torch.diag_embed(beta), upper=False,
                                        unitriangular=True)  # (I + L)^-1 diag(beta)
-    w = Af @ (k * torch.exp(gc))  # [B, H, NT, BT, K]
+    w = Af @ (k * torch.exp(gc.float()))  # [B, H, NT, BT, K]
     u = Af @ v  # [B, H, NT, BT, V]
     clock.lap("fwd: WY transform")
 
     # ---- Aqk and the decayed operands (chunk-parallel) ----
     Aqk = c.scale * _pairwise(q, k, gc)  # [B, H, NT, BT, BT] lower incl. diagonal
-    qd = c.scale * q * torch.exp(gc)  # [B, H, NT, BT, K]
-    kr = k * torch.exp(glast - gc)  # [B, H, NT, BT, K]
-    decay = torch.exp(glast).transpose(-1, -2)  # [B, H, NT, K, 1]
+    qd = c.scale * q * torch.exp(gc.float())  # [B, H, NT, BT, K]
+    kr = k * torch.exp((glast - gc).float())  # [B, H, NT, BT, K]
+    decay = torch.exp(glast.float()).transpose(-1, -2)  # [B, H, NT, K, 1]
     clock.lap("fwd: Aqk")
 
     # ---- the serial recurrence over chunks ----
