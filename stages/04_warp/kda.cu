@@ -1,0 +1,960 @@
+// kda.cu -- stage 04: the chunked KDA algorithm with warp-level parallelism, fp32.
+//
+// Same phases and workspace as stages 02/03; what changes is who does the work:
+//
+//   * chunk-independent phases (kda_pre, kda_wy, kda_aqk, kda_bwd_wy, kda_bwd_pre):
+//     ONE WARP PER CHUNK. Warp gw of the grid owns chunk n of head bh,
+//     gw = bh * NT + n (blocks of kWarps warps). The 32 lanes split the feature
+//     dimension: lane l owns d = l, l + 32, l + 64, ... (at most kSlots = 8
+//     per lane since K, V <= 256), so a warp reading one token row is one
+//     coalesced load. Dot products over K (or V) are a per-lane partial sum
+//     plus a butterfly of __shfl_xor_sync (warp_sum). The triangular inverse
+//     runs row by row with the lanes owning the columns j < c of row c.
+//
+//   * the recurrences (kda_recur, kda_bwd_recur): ONE BLOCK PER (b, h), ONE
+//     THREAD PER VALUE COLUMN vd. Column vd of the state S[:, vd] only ever
+//     needs column vd of u, vcorr, o (and of dS, du, do in the backward), so a
+//     thread walks all chunks of its column alone: no barrier and no reduction
+//     inside the serial chain. The operands shared by all columns (w, qd, kr,
+//     Aqk, exp(glast)) are read by every thread at the same address (a
+//     broadcast); the thread's own column of vcorr (or do, du) for the current
+//     chunk is kept in shared memory ([BT, blockDim], one column per thread,
+//     conflict-free); S itself stays in global memory (column vd, coalesced
+//     across the warp), because K * V * 4 bytes (up to 256 KB) does not fit.
+//
+//   * everything the backward needs that sums OVER value columns (dEL, dkr,
+//     dqd, dw, dAqk, du @ v^T) moved out of the serial reverse chain: the
+//     reverse recurrence stores the gradient of every chunk-entry state
+//     (dstates, like the forward stores states), and the chunk-parallel
+//     kda_bwd_wy computes those sums per chunk with warp shuffles. No atomics
+//     anywhere (the profile timers excepted); forward and backward are
+//     bitwise deterministic.
+//
+//   forward  : kda_pre -> kda_wy -> kda_aqk -> kda_recur
+//   backward : (forward recompute, all chunk-entry states kept)
+//              -> kda_bwd_recur -> kda_bwd_wy -> kda_bwd_pre
+//
+// Notation inside chunk n (BT tokens, rows c, i, j; key dim d; value dim vd):
+//   gc    = within-chunk cumulative sum of the gate a      [BT, K]
+//   glast = gc[BT - 1]                                     [K]
+//   kd = kn * exp(gc)     qd = scale * qn * exp(gc)     kr = kn * exp(glast - gc)
+//   L   = strict_lower(beta[:, None] * (kd @ ki^T)),  ki = kn * exp(-gc)
+//   X   = (I + L)^-1       Af = X * beta[None, :]
+//   w   = Af @ kd          u  = Af @ v
+//   Aqk = lower_incl_diag(qd @ ki^T)
+//   vcorr = u - w @ S;   o = qd @ S + Aqk @ vcorr;   S <- diag(exp(glast)) S + kr^T @ vcorr
+// Products like kd @ ki^T are evaluated as sum_d kn[c,d] kn[i,d] exp(gc[c,d] - gc[i,d])
+// with c >= i: the exponent is <= 0 (the gate is negative), so nothing overflows.
+// kd, qd, kr and exp(glast) are computed once by kda_pre (new in this stage) so
+// that the V threads of the recurrence do not each re-evaluate the same exp().
+
+#include <cuda_runtime.h>
+
+#include "kda.h"
+#include "kda_cuda_check.h"
+#include "kda_profile.cuh"
+
+namespace {
+
+constexpr float kL2Eps = 1e-6f;
+constexpr int kWarps = 4;          // warps per block in the warp-per-chunk kernels
+constexpr int kSlots = 8;          // feature elements per lane: 256 / 32
+constexpr int kMaxCols = 256;      // largest K or V
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------
+// small helpers
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// Gate a(x), x = g + dt_bias[h, d], aexp = exp(A_log[h]).
+//   softplus (gate_id 0): a = -aexp * softplus(x)
+//   bounded  (gate_id 1): a = lower_bound * sigmoid(aexp * x)
+__device__ __forceinline__ float gate_fwd(float x, float aexp, int gate_id, float lb) {
+  if (gate_id == 0) return -aexp * softplus_f(x);
+  return lb * sigmoid_f(aexp * x);
+}
+
+// da/dx and da/dA_log of the gate above.
+__device__ __forceinline__ void gate_bwd(float x, float aexp, int gate_id, float lb, float* da_dx,
+                                         float* da_dalog) {
+  if (gate_id == 0) {
+    *da_dx = -aexp * sigmoid_f(x);
+    *da_dalog = -aexp * softplus_f(x);  // = a
+  } else {
+    const float s = sigmoid_f(aexp * x);
+    const float t = lb * s * (1.0f - s) * aexp;
+    *da_dx = t;
+    *da_dalog = t * x;
+  }
+}
+
+// Sum over the 32 lanes of a warp; every lane gets the same (bitwise) result,
+// because each butterfly step adds the same two numbers on both partner lanes.
+// All 32 lanes must call it (callers keep it out of lane-divergent branches).
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  return x;
+}
+
+// Offset of token (b, t, h) in a [B, T, H, *] tensor, in units of rows; multiply by
+// the row length (K, V or 1). Only ever called with t < T.
+__device__ __forceinline__ size_t tok(const KdaFwdParams& p, int b, int t, int h) {
+  return ((size_t)b * p.T + t) * p.H + h;
+}
+
+// Row of padded token t (0 <= t < Tp) of head bh in a [BH, Tp, *] workspace buffer.
+__device__ __forceinline__ size_t wrow(const KdaFwdParams& p, int bh, int t) {
+  return (size_t)bh * p.Tp + t;
+}
+
+// Start of chunk n's [BT, BT] matrix in a [BH, NT, BT, BT] workspace buffer.
+__device__ __forceinline__ size_t wmat(const KdaFwdParams& p, int bh, int n) {
+  return ((size_t)bh * p.NT + n) * p.BT * p.BT;
+}
+
+// Start of chunk n's [K] vector in a [BH, NT, K] workspace buffer.
+__device__ __forceinline__ size_t wvec(const KdaFwdParams& p, int bh, int n) {
+  return ((size_t)bh * p.NT + n) * p.K;
+}
+
+// Number of real tokens in chunk n (BT except possibly in the last chunk).
+__device__ __forceinline__ int chunk_len(const KdaFwdParams& p, int n) {
+  const int rest = p.T - n * p.BT;
+  return rest < p.BT ? rest : p.BT;
+}
+
+// The chunk of the calling warp in a warp-per-chunk kernel: global warp id
+// gw = blockIdx.x * kWarps + warp = bh * NT + n. Returns false for the idle
+// warps of the last block (the whole warp leaves; these kernels have no
+// __syncthreads, only __syncwarp).
+struct WarpChunk {
+  int lane, warp, bh, n;
+  long long gw;  // also the profile slot
+};
+__device__ __forceinline__ bool warp_chunk(const KdaFwdParams& p, WarpChunk* wc) {
+  wc->lane = threadIdx.x & 31;
+  wc->warp = threadIdx.x >> 5;
+  wc->gw = (long long)blockIdx.x * kWarps + wc->warp;
+  if (wc->gw >= (long long)p.B * p.H * p.NT) return false;
+  wc->bh = (int)(wc->gw / p.NT);
+  wc->n = (int)(wc->gw % p.NT);
+  return true;
+}
+
+// ===========================================================================
+// Forward kernels
+// ===========================================================================
+
+// fwd: pre-stage, one warp per chunk. For each token row c (lanes split K):
+//   qn, kn = q / sqrt(sum q^2 + eps), k / ...        (norms: warp_sum)
+//   beta_s = sigmoid(beta);  gc = running sum of a = gate(g + dt_bias) over the chunk
+//   kd = kn * exp(gc);  qd = scale * qn * exp(gc)
+// then, with glast = gc of the last row:  kr = kn * exp(glast - gc),  el = exp(glast).
+// Padded rows: q = k = 0, beta = 0, a = 0 (gc stays flat).
+// grid = ceil(B*H*NT / kWarps) blocks of kWarps*32 threads. Profile: lane 0, slot gw.
+__global__ void __launch_bounds__(kWarps * 32) kda_pre_kernel(const __grid_constant__ KdaFwdParams p) {
+  WarpChunk wc;
+  if (!warp_chunk(p, &wc)) return;
+  KDA_PROF_START(t0);
+  const int lane = wc.lane, bh = wc.bh, n = wc.n;
+  const int K = p.K, BT = p.BT, b = bh / p.H, h = bh % p.H;
+  const int base = n * BT, len = chunk_len(p, n);
+  const float aexp = expf(p.A_log[h]);
+  const float* dtb = p.dt_bias + (size_t)h * K;  // [K]
+  const size_t r0 = wrow(p, bh, base);
+  float* qn = p.qn + r0 * K;  // [BT, K]
+  float* kn = p.kn + r0 * K;  // [BT, K]
+  float* gc = p.gc + r0 * K;  // [BT, K]
+  float* kd = p.kd + r0 * K;  // [BT, K]
+  float* qd = p.qd + r0 * K;  // [BT, K]
+  float* kr = p.kr + r0 * K;  // [BT, K]
+
+  float gsum[kSlots];  // running gate sum of the lane's columns d = lane + 32 s
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) gsum[s] = 0.f;
+
+  for (int c = 0; c < BT; ++c) {
+    const bool real = c < len;  // warp-uniform
+    float qv[kSlots], kv[kSlots], av[kSlots];
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      qv[s] = 0.f;
+      kv[s] = 0.f;
+      av[s] = 0.f;
+    }
+    size_t x = 0;
+    if (real) {
+      x = tok(p, b, base + c, h);
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) {
+          qv[s] = p.q[x * K + d];
+          kv[s] = p.k[x * K + d];
+          av[s] = gate_fwd(p.g[x * K + d] + dtb[d], aexp, p.gate_id, p.lower_bound);
+          sq += qv[s] * qv[s];
+          sk += kv[s] * kv[s];
+        }
+      }
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    const float rq = real ? 1.0f / sqrtf(sq + kL2Eps) : 0.f;
+    const float rk = real ? 1.0f / sqrtf(sk + kL2Eps) : 0.f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      if (d < K) {
+        const float qnv = qv[s] * rq, knv = kv[s] * rk;
+        gsum[s] += av[s];
+        const float e = expf(gsum[s]);
+        qn[c * K + d] = qnv;
+        kn[c * K + d] = knv;
+        gc[c * K + d] = gsum[s];
+        kd[c * K + d] = knv * e;
+        qd[c * K + d] = p.scale * qnv * e;
+      }
+    }
+    if (lane == 0) {
+      p.rq[r0 + c] = rq;
+      p.rk[r0 + c] = rk;
+      p.beta_s[r0 + c] = real ? sigmoid_f(p.beta[x]) : 0.f;
+    }
+  }
+  // gsum now holds glast. Second pass over the rows this lane just wrote.
+  float* el = p.el + wvec(p, bh, n);  // [K]
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + 32 * s;
+    if (d < K) el[d] = expf(gsum[s]);
+  }
+  for (int c = 0; c < BT; ++c) {
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      if (d < K) kr[c * K + d] = kn[c * K + d] * expf(gsum[s] - gc[c * K + d]);
+    }
+  }
+  if (lane == 0) KDA_PROF_LAP(p.prof, wc.gw, KDA_REG_FWD_PRE, t0);
+}
+
+// fwd: WY transform, one warp per chunk; the chunk's [BT, BT] matrix M lives in
+// this warp's slice of shared memory (dynamic smem = kWarps * BT * BT floats).
+//   1. M[c,i] = L[c,i] = beta[c] * sum_d kn[c,d] kn[i,d] exp(gc[c,d] - gc[i,d])  (i < c)
+//      one warp_sum per (c, i)
+//   2. X = (I + L)^-1 in place, row by row (forward substitution):
+//        X[c,j] = -(L[c,j] + sum_{m=j+1}^{c-1} L[c,m] X[m,j])     (j < c)
+//      lane l computes columns j = l and l + 32 of row c at once: they read
+//      only row c (still L) and rows m < c (already X), so each lane keeps its
+//      result in a register until all lanes have read row c (__syncwarp).
+//   3. X and Af = X * beta[None, :] to global; M <- Af
+//   4. w = Af @ kd (lanes split K), u = Af @ v (lanes split V)
+// grid = ceil(B*H*NT / kWarps) blocks of kWarps*32 threads. Profile: lane 0, slot gw.
+__global__ void __launch_bounds__(kWarps * 32) kda_wy_kernel(const __grid_constant__ KdaFwdParams p) {
+  extern __shared__ float smem[];  // [kWarps, BT, BT]
+  WarpChunk wc;
+  if (!warp_chunk(p, &wc)) return;
+  KDA_PROF_START(t0);
+  const int lane = wc.lane, bh = wc.bh, n = wc.n;
+  const int K = p.K, V = p.V, BT = p.BT, b = bh / p.H, h = bh % p.H;
+  const int base = n * BT, len = chunk_len(p, n);
+  const size_t r0 = wrow(p, bh, base);
+  const float* kn = p.kn + r0 * K;    // [BT, K]
+  const float* gc = p.gc + r0 * K;    // [BT, K]
+  const float* kd = p.kd + r0 * K;    // [BT, K]
+  const float* bs = p.beta_s + r0;    // [BT]
+  float* X = p.X + wmat(p, bh, n);    // [BT, BT]
+  float* Af = p.Af + wmat(p, bh, n);  // [BT, BT]
+  float* w = p.w + r0 * K;            // [BT, K]
+  float* u = p.u + r0 * p.V;          // [BT, V]
+  float* M = smem + (size_t)wc.warp * BT * BT;  // [BT, BT], this warp's
+
+  // 1. M <- L (strict lower part), 0 elsewhere
+  for (int e = lane; e < BT * BT; e += 32) M[e] = 0.f;
+  __syncwarp();
+  for (int c = 1; c < BT; ++c) {
+    float knc[kSlots], gcc[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      knc[s] = d < K ? kn[c * K + d] : 0.f;
+      gcc[s] = d < K ? gc[c * K + d] : 0.f;
+    }
+    const float bc = bs[c];
+    for (int i = 0; i < c; ++i) {
+      float part = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) part += knc[s] * kn[i * K + d] * expf(gcc[s] - gc[i * K + d]);
+      }
+      part = warp_sum(part);
+      if (lane == 0) M[c * BT + i] = bc * part;
+    }
+  }
+  __syncwarp();
+
+  // 2. forward substitution, in place; BT <= 64 so two columns per lane
+  for (int c = 1; c < BT; ++c) {
+    const int j0 = lane, j1 = lane + 32;
+    float x0 = 0.f, x1 = 0.f;
+    if (j0 < c) {
+      float acc = M[c * BT + j0];
+      for (int m = j0 + 1; m < c; ++m) acc += M[c * BT + m] * M[m * BT + j0];
+      x0 = -acc;
+    }
+    if (j1 < c) {
+      float acc = M[c * BT + j1];
+      for (int m = j1 + 1; m < c; ++m) acc += M[c * BT + m] * M[m * BT + j1];
+      x1 = -acc;
+    }
+    __syncwarp();  // every lane has read row c
+    if (j0 < c) M[c * BT + j0] = x0;
+    if (j1 < c) M[c * BT + j1] = x1;
+    __syncwarp();  // row c final before row c + 1 reads it
+  }
+
+  // 3. X (unit diagonal, 0 above) and Af = X * beta[None, :]; M <- Af
+  for (int e = lane; e < BT * BT; e += 32) {
+    const int c = e / BT, i = e - c * BT;
+    const float xv = i < c ? M[e] : (i == c ? 1.f : 0.f);
+    const float av = xv * bs[i];
+    X[e] = xv;
+    Af[e] = av;
+    M[e] = av;
+  }
+  __syncwarp();
+
+  // 4. w = Af @ kd, u = Af @ v (v of padded tokens is 0: not read; Af is lower incl. diag)
+  const size_t vstride = (size_t)p.H * V;              // token stride of v
+  const float* vrow = p.v + tok(p, b, base, h) * V;    // row i at vrow[i * vstride] (i < len)
+  for (int c = 0; c < BT; ++c) {
+    const float* Ac = M + c * BT;  // row c of Af (same address on all lanes: broadcast)
+    for (int d = lane; d < K; d += 32) {
+      float acc = 0.f;
+      for (int i = 0; i <= c; ++i) acc += Ac[i] * kd[i * K + d];
+      w[c * K + d] = acc;
+    }
+    const int imax = c < len ? c + 1 : len;  // real tokens i <= c
+    for (int vd = lane; vd < V; vd += 32) {
+      float acc = 0.f;
+      for (int i = 0; i < imax; ++i) acc += Ac[i] * vrow[i * vstride + vd];
+      u[c * V + vd] = acc;
+    }
+  }
+  if (lane == 0) KDA_PROF_LAP(p.prof, wc.gw, KDA_REG_FWD_WY, t0);
+}
+
+// fwd: Aqk, one warp per chunk:
+//   Aqk[c,j] = scale * sum_d qn[c,d] kn[j,d] exp(gc[c,d] - gc[j,d])  (j <= c), 0 above
+// one warp_sum per (c, j); lanes split K.
+// grid = ceil(B*H*NT / kWarps) blocks of kWarps*32 threads. Profile: lane 0, slot gw.
+__global__ void __launch_bounds__(kWarps * 32) kda_aqk_kernel(const __grid_constant__ KdaFwdParams p) {
+  WarpChunk wc;
+  if (!warp_chunk(p, &wc)) return;
+  KDA_PROF_START(t0);
+  const int lane = wc.lane, bh = wc.bh, n = wc.n;
+  const int K = p.K, BT = p.BT;
+  const size_t r0 = wrow(p, bh, n * BT);
+  const float* qn = p.qn + r0 * K;     // [BT, K]
+  const float* kn = p.kn + r0 * K;     // [BT, K]
+  const float* gc = p.gc + r0 * K;     // [BT, K]
+  float* A = p.Aqk + wmat(p, bh, n);   // [BT, BT]
+  for (int c = 0; c < BT; ++c) {
+    float qnc[kSlots], gcc[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      qnc[s] = d < K ? qn[c * K + d] : 0.f;
+      gcc[s] = d < K ? gc[c * K + d] : 0.f;
+    }
+    for (int j = 0; j <= c; ++j) {
+      float part = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) part += qnc[s] * kn[j * K + d] * expf(gcc[s] - gc[j * K + d]);
+      }
+      part = warp_sum(part);
+      if (lane == 0) A[c * BT + j] = p.scale * part;
+    }
+  }
+  // upper triangle (j > c): zeros; disjoint from the elements lane 0 wrote
+  for (int e = lane; e < BT * BT; e += 32) {
+    const int c = e / BT, j = e - c * BT;
+    if (j > c) A[e] = 0.f;
+  }
+  if (lane == 0) KDA_PROF_LAP(p.prof, wc.gw, KDA_REG_FWD_AQK, t0);
+}
+
+// fwd: recurrence, one block per (b, h), one thread per value column vd.
+// Thread vd walks the chunks n = 0 .. NT-1 of column vd (S_n = S[:, vd]):
+//   for each row c:  vcorr[c] = u[c] - w[c] . S         (the K-long dot product of
+//                    q      = qd[c] . S                   both share one read of S)
+//                    o[c]   = q + sum_{j<=c} Aqk[c,j] vcorr[j]     (real tokens)
+//   then for each d: S_{n+1}[d] = exp(glast[d]) S_n[d] + sum_c kr[c,d] vcorr[c]
+// S_0 = h0 (or 0). vcorr[:, vd] of the chunk is kept in shared memory
+// (vcs[c * blockDim.x], the thread's own column) and also written to global for
+// the backward. S_{n+1}[d] needs only S_n[d] of the same column, so the forward
+// updates ht in place (state_chunk_stride = 0).
+// grid = B*H blocks of ceil(V / 32) * 32 threads (threads vd >= V only reach the
+// final barrier); dynamic smem = BT * blockDim.x floats. Profile: thread 0, slot bh.
+__global__ void __launch_bounds__(kMaxCols) kda_recur_kernel(const __grid_constant__ KdaFwdParams p) {
+  extern __shared__ float smem[];  // [BT, blockDim.x]
+  const int bh = blockIdx.x, vd = threadIdx.x, nthr = blockDim.x;
+  KDA_PROF_START(t0);
+  const int K = p.K, V = p.V, BT = p.BT, b = bh / p.H, h = bh % p.H;
+  if (vd < V) {
+    float* vcs = smem + vd;  // this thread's column: vcorr[c] at vcs[c * nthr]
+    float* S0 = p.states + bh * p.state_bh_stride;  // S_0 of this head, [K, V]
+    const float* h0 = p.h0 ? p.h0 + (size_t)bh * K * V : nullptr;
+    for (int d = 0; d < K; ++d) S0[d * V + vd] = h0 ? h0[d * V + vd] : 0.f;
+
+    for (int n = 0; n < p.NT; ++n) {
+      const int base = n * BT, len = chunk_len(p, n);
+      const size_t r0 = wrow(p, bh, base);
+      const float* S = S0 + n * p.state_chunk_stride;      // S_n      [K, V]
+      float* Snext = S0 + (n + 1) * p.state_chunk_stride;  // S_{n+1}  [K, V] (may alias S)
+      const float* w = p.w + r0 * K;      // [BT, K]
+      const float* qd = p.qd + r0 * K;    // [BT, K]
+      const float* kr = p.kr + r0 * K;    // [BT, K]
+      const float* u = p.u + r0 * V;      // [BT, V]
+      float* vcorr = p.vcorr + r0 * V;    // [BT, V]
+      const float* A = p.Aqk + wmat(p, bh, n);   // [BT, BT]
+      const float* el = p.el + wvec(p, bh, n);   // [K]
+
+      for (int c = 0; c < BT; ++c) {
+        const float* wc = w + c * K;   // [K] (broadcast)
+        const float* qc = qd + c * K;  // [K] (broadcast)
+        float acc_v = u[c * V + vd], acc_o = 0.f;
+        for (int d = 0; d < K; ++d) {
+          const float sv = S[d * V + vd];
+          acc_v -= wc[d] * sv;
+          acc_o += qc[d] * sv;
+        }
+        vcs[c * nthr] = acc_v;
+        vcorr[c * V + vd] = acc_v;
+        if (p.o != nullptr && c < len) {
+          const float* Ac = A + c * BT;  // [BT] (broadcast)
+          for (int j = 0; j <= c; ++j) acc_o += Ac[j] * vcs[j * nthr];
+          p.o[tok(p, b, base + c, h) * V + vd] = acc_o;
+        }
+      }
+      for (int d = 0; d < K; ++d) {
+        float acc = el[d] * S[d * V + vd];
+        for (int c = 0; c < BT; ++c) acc += kr[c * K + d] * vcs[c * nthr];
+        Snext[d * V + vd] = acc;
+      }
+    }
+  }
+  __syncthreads();  // (profile: time the whole block)
+  if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, bh, KDA_REG_FWD_RECUR, t0);
+}
+
+// ===========================================================================
+// Backward kernels
+// ===========================================================================
+
+// bwd: reverse recurrence, one block per (b, h), one thread per value column vd.
+// dS_NT = dht (or 0); for n = NT-1 .. 0, with dS' = dS_{n+1} = dL/dS_{n+1}:
+//   du[c]   = kr[c] . dS'[:, vd] + sum_{j>=c} Aqk[j,c] do[j]       (= dvcorr)
+//   dS_n[d] = exp(glast[d]) dS'[d] + sum_c qd[c,d] do[c] - sum_c w[c,d] du[c]
+// Everything here is column-local; the sums over value columns that the
+// adjoint also needs (dEL, dkr, dqd, dw, dAqk) are done per chunk by
+// kda_bwd_wy from dstates, S_n and du. Finally dh0 = dS_0.
+// The thread's columns of do and du for the chunk sit in shared memory.
+// grid = B*H blocks of ceil(V / 32) * 32 threads; dynamic smem = 2 * BT * blockDim.x
+// floats. Profile: thread 0, slot bh.
+__global__ void __launch_bounds__(kMaxCols) kda_bwd_recur_kernel(const __grid_constant__ KdaBwdParams p) {
+  extern __shared__ float smem[];  // [2, BT, blockDim.x]
+  const KdaFwdParams& f = p.f;
+  const int bh = blockIdx.x, vd = threadIdx.x, nthr = blockDim.x;
+  KDA_PROF_START(t0);
+  const int K = f.K, V = f.V, BT = f.BT, NT = f.NT, b = bh / f.H, h = bh % f.H;
+  if (vd < V) {
+    float* dos = smem + vd;              // do[c] at dos[c * nthr]
+    float* dus = smem + BT * nthr + vd;  // du[c] at dus[c * nthr]
+    const size_t KV = (size_t)K * V;
+    float* dS0 = p.dstates + (size_t)bh * (NT + 1) * KV;  // slot n: dL/dS_n, [K, V]
+    const float* dht = p.dht ? p.dht + (size_t)bh * KV : nullptr;
+    for (int d = 0; d < K; ++d) dS0[NT * KV + d * V + vd] = dht ? dht[d * V + vd] : 0.f;
+
+    for (int n = NT - 1; n >= 0; --n) {
+      const int base = n * BT, len = chunk_len(f, n);
+      const size_t r0 = wrow(f, bh, base);
+      const float* dSn1 = dS0 + (n + 1) * KV;  // dL/dS_{n+1}
+      float* dSn = dS0 + n * KV;               // dL/dS_n
+      const float* w = f.w + r0 * K;      // [BT, K]
+      const float* qd = f.qd + r0 * K;    // [BT, K]
+      const float* kr = f.kr + r0 * K;    // [BT, K]
+      const float* A = f.Aqk + wmat(f, bh, n);  // [BT, BT]
+      const float* el = f.el + wvec(f, bh, n);  // [K]
+      float* du = p.du + r0 * V;          // [BT, V]
+      const float* dout = p.dout + tok(f, b, base, h) * V;  // row c at dout[c * H * V] (c < len)
+      const size_t dstride = (size_t)f.H * V;
+
+      for (int c = 0; c < BT; ++c) dos[c * nthr] = c < len ? dout[c * dstride + vd] : 0.f;
+      for (int c = 0; c < BT; ++c) {
+        const float* krc = kr + c * K;  // [K] (broadcast)
+        float acc = 0.f;
+        for (int d = 0; d < K; ++d) acc += krc[d] * dSn1[d * V + vd];
+        for (int j = c; j < BT; ++j) acc += A[j * BT + c] * dos[j * nthr];
+        dus[c * nthr] = acc;
+        du[c * V + vd] = acc;
+      }
+      for (int d = 0; d < K; ++d) {
+        float acc = el[d] * dSn1[d * V + vd];
+        for (int c = 0; c < BT; ++c) acc += qd[c * K + d] * dos[c * nthr] - w[c * K + d] * dus[c * nthr];
+        dSn[d * V + vd] = acc;
+      }
+    }
+    if (p.dh0 != nullptr) {
+      float* dh0 = p.dh0 + (size_t)bh * KV;
+      for (int d = 0; d < K; ++d) dh0[d * V + vd] = dS0[d * V + vd];
+    }
+  }
+  __syncthreads();  // (profile: time the whole block)
+  if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, bh, KDA_REG_BWD_RECUR, t0);
+}
+
+// bwd: adjoint of everything in chunk n apart from the carried state, one warp
+// per chunk. Inputs: S = S_n (states), dS = dL/dS_{n+1} (dstates), vcorr, du, do.
+//   A. sums over value columns (lanes split V, one warp_sum each):
+//        dEL[d]   = dS[d] . S[d]             dkr[c,d] = vcorr[c] . dS[d]
+//        dqd[c,d] = do[c] . S[d]             dw[c,d]  = -du[c] . S[d]
+//      (lane d % 32 stores element d: the same lane that owns d in C and E)
+//   B. (lanes split V)  dAqk[c,i] = do[c] . vcorr[i],  dAf[c,i] = du[c] . v[i]   (i <= c)
+//                       dv[i] = sum_{c>=i} Af[c,i] du[c]
+//   C. (lanes split K)  dAf[c,i] += dw[c] . kd[i],  dkd[i] = sum_{c>=i} Af[c,i] dw[c]
+//      and the adjoints of kd = kn e^gc, qd = qs e^gc, kr = kn e^(glast-gc),
+//      EL = e^glast: first values of dqs, dkn, dgc per row
+//   D. (lanes split the BT columns)  Af = X * beta:  dbeta[i] = sum_c dAf[c,i] X[c,i],
+//      dX = dAf * beta;  X = (I + L)^-1:  dL = -X^T dX X^T  (strict lower part),
+//      via tmp = (X^T dX)^T stored so both products read rows along the lanes
+//   E. (lanes split K) for each (c, i <= c) with f = exp(gc[c] - gc[i]):
+//        L[c,i]   = beta[c] * sum_d kn[c,d] kn[i,d] f     -> dkn, dgc, dbeta
+//        Aqk[c,i] = sum_d qs[c,d] kn[i,d] f               -> dqs, dkn, dgc
+// Every element of dqs/dkn/dgc is only touched by the lane owning its column,
+// and BT x BT scratch written by one lane is read by others only after a __syncwarp.
+// grid = ceil(B*H*NT / kWarps) blocks of kWarps*32 threads. Profile: lane 0, slot gw.
+__global__ void __launch_bounds__(kWarps * 32) kda_bwd_wy_kernel(const __grid_constant__ KdaBwdParams p) {
+  const KdaFwdParams& f = p.f;
+  WarpChunk wc;
+  if (!warp_chunk(f, &wc)) return;
+  KDA_PROF_START(t0);
+  const int lane = wc.lane, bh = wc.bh, n = wc.n;
+  const int K = f.K, V = f.V, BT = f.BT, NT = f.NT, b = bh / f.H, h = bh % f.H;
+  const int base = n * BT, len = chunk_len(f, n);
+  const size_t r0 = wrow(f, bh, base);
+  const size_t KV = (size_t)K * V;
+  const float* S = f.states + bh * f.state_bh_stride + n * f.state_chunk_stride;  // S_n [K, V]
+  const float* dS = p.dstates + ((size_t)bh * (NT + 1) + n + 1) * KV;           // dL/dS_{n+1} [K, V]
+  const float* qn = f.qn + r0 * K;       // [BT, K]
+  const float* kn = f.kn + r0 * K;       // [BT, K]
+  const float* gc = f.gc + r0 * K;       // [BT, K]
+  const float* kd = f.kd + r0 * K;       // [BT, K]
+  const float* qd = f.qd + r0 * K;       // [BT, K]
+  const float* kr = f.kr + r0 * K;       // [BT, K]
+  const float* el = f.el + wvec(f, bh, n);  // [K]
+  const float* bs = f.beta_s + r0;       // [BT]
+  const float* X = f.X + wmat(f, bh, n);    // [BT, BT]
+  const float* Af = f.Af + wmat(f, bh, n);  // [BT, BT]
+  const float* vcorr = f.vcorr + r0 * V; // [BT, V]
+  const float* du = p.du + r0 * V;       // [BT, V]
+  const size_t tstride = (size_t)f.H * V;               // token stride of v, do, dv
+  const float* dout = p.dout + tok(f, b, base, h) * V;  // row c at dout[c * tstride] (c < len)
+  const float* vin = f.v + tok(f, b, base, h) * V;      // row i at vin[i * tstride] (i < len)
+  float* dvo = p.dv + tok(f, b, base, h) * V;           // row i at dvo[i * tstride] (i < len)
+  float* dw = p.dw + r0 * K;             // [BT, K]
+  float* dqd = p.dqd + r0 * K;           // [BT, K]
+  float* dkr = p.dkr + r0 * K;           // [BT, K]
+  float* dEL = p.dEL + wvec(f, bh, n);   // [K]
+  float* dAqk = p.dAqk + wmat(f, bh, n); // [BT, BT]
+  float* dA = p.dA + wmat(f, bh, n);     // [BT, BT]
+  float* tmp = p.tmp + wmat(f, bh, n);   // [BT, BT]
+  float* dqs = p.dqs + r0 * K;           // [BT, K]
+  float* dkn = p.dkn + r0 * K;           // [BT, K]
+  float* dgc = p.dgc + r0 * K;           // [BT, K]
+  float* dbs = p.dbeta_s + r0;           // [BT]
+
+  // ---- A. sums over value columns -> dEL, dkr, dqd, dw -----------------------
+  for (int d = 0; d < K; ++d) {
+    float part = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int vd = lane + 32 * s;
+      if (vd < V) part += dS[d * V + vd] * S[d * V + vd];
+    }
+    part = warp_sum(part);
+    if (lane == (d & 31)) dEL[d] = part;
+  }
+  for (int c = 0; c < BT; ++c) {
+    const bool real = c < len;
+    float vcv[kSlots], dov[kSlots], duv[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int vd = lane + 32 * s;
+      vcv[s] = vd < V ? vcorr[c * V + vd] : 0.f;
+      dov[s] = (vd < V && real) ? dout[c * tstride + vd] : 0.f;
+      duv[s] = vd < V ? du[c * V + vd] : 0.f;
+    }
+    for (int d = 0; d < K; ++d) {
+      float a_kr = 0.f, a_qd = 0.f, a_w = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int vd = lane + 32 * s;
+        if (vd < V) {
+          const float sv = S[d * V + vd], dsv = dS[d * V + vd];
+          a_kr += vcv[s] * dsv;
+          a_qd += dov[s] * sv;
+          a_w += duv[s] * sv;
+        }
+      }
+      a_kr = warp_sum(a_kr);
+      a_qd = warp_sum(a_qd);
+      a_w = warp_sum(a_w);
+      if (lane == (d & 31)) {
+        dkr[c * K + d] = a_kr;
+        dqd[c * K + d] = a_qd;
+        dw[c * K + d] = -a_w;
+      }
+    }
+  }
+
+  // ---- B. dAqk, dAf (v part), dv ---------------------------------------------
+  for (int i = 0; i < BT; ++i) {
+    const bool real_i = i < len;
+    float vi[kSlots], vci[kSlots], dva[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int vd = lane + 32 * s;
+      vi[s] = (vd < V && real_i) ? vin[i * tstride + vd] : 0.f;
+      vci[s] = vd < V ? vcorr[i * V + vd] : 0.f;
+      dva[s] = 0.f;
+    }
+    for (int c = i; c < BT; ++c) {
+      const bool real_c = c < len;
+      const float af = Af[c * BT + i];
+      float a_q = 0.f, a_u = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int vd = lane + 32 * s;
+        if (vd < V) {
+          const float dov = real_c ? dout[c * tstride + vd] : 0.f;
+          const float duv = du[c * V + vd];
+          a_q += dov * vci[s];
+          a_u += duv * vi[s];
+          dva[s] += af * duv;
+        }
+      }
+      a_q = warp_sum(a_q);
+      a_u = warp_sum(a_u);
+      if (lane == 0) {
+        dAqk[c * BT + i] = a_q;
+        dA[c * BT + i] = a_u;
+      }
+    }
+    if (real_i) {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int vd = lane + 32 * s;
+        if (vd < V) dvo[i * tstride + vd] = dva[s];
+      }
+    }
+  }
+  __syncwarp();
+
+  // ---- C. dAf (w part), dkd; adjoints of kd, qd, kr, EL -----------------------
+  float gl[kSlots], dgl[kSlots];  // glast and its gradient, lane's columns
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + 32 * s;
+    gl[s] = d < K ? gc[(BT - 1) * K + d] : 0.f;
+    dgl[s] = d < K ? dEL[d] * el[d] : 0.f;  // EL = exp(glast)
+  }
+  for (int i = 0; i < BT; ++i) {
+    float kdi[kSlots], dkd[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      kdi[s] = d < K ? kd[i * K + d] : 0.f;
+      dkd[s] = 0.f;
+    }
+    for (int c = i; c < BT; ++c) {
+      const float af = Af[c * BT + i];
+      float part = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) {
+          const float dwv = dw[c * K + d];
+          part += dwv * kdi[s];
+          dkd[s] += af * dwv;
+        }
+      }
+      part = warp_sum(part);
+      if (lane == 0) dA[c * BT + i] += part;
+    }
+    // row i: kd = kn e^gc, qd = qs e^gc, kr = kn e^(glast - gc); first write of dqs, dkn, dgc
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      if (d < K) {
+        const int e = i * K + d;
+        const float ex = expf(gc[e]), fr = expf(gl[s] - gc[e]);
+        const float g_qd = dqd[e], g_kr = dkr[e];
+        dqs[e] = g_qd * ex;
+        dkn[e] = dkd[s] * ex + g_kr * fr;
+        dgc[e] = dkd[s] * kd[e] + g_qd * qd[e] - g_kr * kr[e];
+        dgl[s] += g_kr * kr[e];
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int d = lane + 32 * s;
+    if (d < K) dgc[(BT - 1) * K + d] += dgl[s];  // glast = gc of the last row
+  }
+  __syncwarp();
+
+  // ---- D. Af = X * beta, inverse VJP ------------------------------------------
+  // D1. lane owns columns i: dbeta[i] = sum_{c>=i} dAf[c,i] X[c,i];  dA <- dX = dAf * beta[i]
+  for (int i = lane; i < BT; i += 32) {
+    const float bi = bs[i];
+    float db = 0.f;
+    for (int c = i; c < BT; ++c) {
+      const float gA = dA[c * BT + i];
+      db += gA * X[c * BT + i];
+      dA[c * BT + i] = gA * bi;
+    }
+    dbs[i] = db;
+  }
+  __syncwarp();
+  // D2. lane owns columns a: tmp[e*BT + a] = (X^T dX)[a,e] = sum_{m>=max(a,e)} X[m,a] dX[m,e]
+  for (int a = lane; a < BT; a += 32)
+    for (int e = 0; e < BT; ++e) {
+      float acc = 0.f;
+      for (int m = (a > e ? a : e); m < BT; ++m) acc += X[m * BT + a] * dA[m * BT + e];
+      tmp[e * BT + a] = acc;
+    }
+  __syncwarp();
+  // D3. lane owns rows c: dL[c,i] = -sum_{m<=i} (X^T dX)[c,m] X[i,m]  (i < c) -> dA[c,i]
+  for (int c = lane; c < BT; c += 32)
+    for (int i = 0; i < c; ++i) {
+      float acc = 0.f;
+      for (int m = 0; m <= i; ++m) acc += tmp[m * BT + c] * X[i * BT + m];
+      dA[c * BT + i] = -acc;
+    }
+  __syncwarp();
+
+  // ---- E. L and Aqk adjoints (lanes split K) ----------------------------------
+  for (int c = 0; c < BT; ++c) {
+    float knc[kSlots], qsc[kSlots], gcc[kSlots], a_kn[kSlots], a_qs[kSlots], a_gc[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      knc[s] = d < K ? kn[c * K + d] : 0.f;
+      qsc[s] = d < K ? f.scale * qn[c * K + d] : 0.f;
+      gcc[s] = d < K ? gc[c * K + d] : 0.f;
+      a_kn[s] = 0.f;
+      a_qs[s] = 0.f;
+      a_gc[s] = 0.f;
+    }
+    const float bc = bs[c];
+    float dbc = 0.f;
+    for (int i = 0; i <= c; ++i) {
+      const float gq = dAqk[c * BT + i];
+      const float gL = i < c ? dA[c * BT + i] : 0.f;  // dL (strict lower)
+      const float gin = gL * bc;                      // d inner[c,i]
+      float part = 0.f;                               // inner[c,i]
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) {
+          const int e = i * K + d;
+          const float fcd = expf(gcc[s] - gc[e]);
+          const float t1 = kn[e] * fcd;
+          const float hh = gin * knc[s] + gq * qsc[s];
+          part += knc[s] * t1;
+          a_kn[s] += gin * t1;
+          a_qs[s] += gq * t1;
+          a_gc[s] += hh * t1;
+          dkn[e] += hh * fcd;
+          dgc[e] -= hh * t1;
+        }
+      }
+      if (i < c) {  // warp-uniform
+        part = warp_sum(part);
+        dbc += gL * part;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      if (d < K) {
+        const int e = c * K + d;
+        dkn[e] += a_kn[s];
+        dqs[e] += a_qs[s];
+        dgc[e] += a_gc[s];
+      }
+    }
+    if (lane == 0) dbs[c] += dbc;
+  }
+  if (lane == 0) KDA_PROF_LAP(p.prof, wc.gw, KDA_REG_BWD_WY, t0);
+}
+
+// bwd: pre-stage adjoint, one warp per chunk (lanes split K), rows c = BT-1 .. 0:
+//   da = reverse cumsum of dgc over the chunk (padded rows included: glast is
+//        the gc of the last padded row), kept in registers
+//   gate:   dg = da * da/dx  (x = g + dt_bias),  dA_log term = sum_d da * da/dA_log
+//   beta:   dbeta = dbeta_s * s * (1 - s)
+//   l2norm: dq = rq * (dqn - (dqn . qn) qn),  dqn = scale * dqs;  same for k
+// (three warp_sums per real row). grid = ceil(B*H*NT / kWarps) blocks of
+// kWarps*32 threads. Profile: lane 0, slot gw.
+__global__ void __launch_bounds__(kWarps * 32) kda_bwd_pre_kernel(const __grid_constant__ KdaBwdParams p) {
+  const KdaFwdParams& f = p.f;
+  WarpChunk wc;
+  if (!warp_chunk(f, &wc)) return;
+  KDA_PROF_START(t0);
+  const int lane = wc.lane, bh = wc.bh, n = wc.n;
+  const int K = f.K, BT = f.BT, b = bh / f.H, h = bh % f.H;
+  const int base = n * BT, len = chunk_len(f, n);
+  const size_t r0 = wrow(f, bh, base);
+  const float* qn = f.qn + r0 * K;    // [BT, K]
+  const float* kn = f.kn + r0 * K;    // [BT, K]
+  const float* dqs = p.dqs + r0 * K;  // [BT, K]
+  const float* dkn = p.dkn + r0 * K;  // [BT, K]
+  const float* dgc = p.dgc + r0 * K;  // [BT, K]
+  const float aexp = expf(f.A_log[h]);
+  const float* dtb = f.dt_bias + (size_t)h * K;  // [K]
+
+  float da[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) da[s] = 0.f;
+  for (int c = BT - 1; c >= 0; --c) {
+    const bool real = c < len;  // warp-uniform
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int d = lane + 32 * s;
+      if (d < K) da[s] += dgc[c * K + d];
+    }
+    if (real) {  // a padded row only feeds da: its own a is a constant 0
+      const size_t x = tok(f, b, base + c, h);
+      const float* gi = f.g + x * K;
+      float* dgi = p.dg + x * K;
+      float dalog = 0.f, sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) {
+          float da_dx, da_dalog;
+          gate_bwd(gi[d] + dtb[d], aexp, f.gate_id, f.lower_bound, &da_dx, &da_dalog);
+          dgi[d] = da[s] * da_dx;
+          dalog += da[s] * da_dalog;
+          sq += f.scale * dqs[c * K + d] * qn[c * K + d];
+          sk += dkn[c * K + d] * kn[c * K + d];
+        }
+      }
+      dalog = warp_sum(dalog);
+      sq = warp_sum(sq);
+      sk = warp_sum(sk);
+      const size_t r = r0 + c;
+      if (lane == 0) {
+        p.dAlog_part[x] = dalog;
+        const float sb = f.beta_s[r];
+        p.dbeta[x] = p.dbeta_s[r] * sb * (1.0f - sb);
+      }
+      const float rq = f.rq[r], rk = f.rk[r];
+      float* dqi = p.dq + x * K;
+      float* dki = p.dk + x * K;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int d = lane + 32 * s;
+        if (d < K) {
+          dqi[d] = rq * (f.scale * dqs[c * K + d] - sq * qn[c * K + d]);
+          dki[d] = rk * (dkn[c * K + d] - sk * kn[c * K + d]);
+        }
+      }
+    }
+  }
+  if (lane == 0) KDA_PROF_LAP(p.prof, wc.gw, KDA_REG_BWD_PRE, t0);
+}
+
+// ---------------------------------------------------------------------------
+// launch helpers
+// ---------------------------------------------------------------------------
+
+// Dynamic shared memory above the default 48 KB needs an opt-in per kernel.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int dev = 0, optin = 0;
+  KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (bytes > (size_t)optin) return cudaErrorInvalidValue;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+// Grid of the warp-per-chunk kernels: one warp per (b, h, chunk).
+dim3 warp_grid(int B, int H, int NT) {
+  const long long warps = (long long)B * H * NT;  // <= INT_MAX (checked by the binding)
+  return dim3((unsigned)((warps + kWarps - 1) / kWarps));
+}
+
+// Block of the recurrences: one thread per value column, rounded up to a warp.
+int column_threads(int V) { return (V + 31) / 32 * 32; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// launchers
+// ---------------------------------------------------------------------------
+
+cudaError_t kda_fwd_launch(const KdaFwdParams& p, cudaStream_t stream) {
+  if (p.BT < 1 || p.BT > 64 || p.K < 1 || p.K > kMaxCols || p.V < 1 || p.V > kMaxCols)
+    return cudaErrorInvalidValue;
+  const dim3 wgrid = warp_grid(p.B, p.H, p.NT), wblock(kWarps * 32);
+  const dim3 rgrid((unsigned)(p.B * p.H)), rblock(column_threads(p.V));
+
+  kda_pre_kernel<<<wgrid, wblock, 0, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  const size_t wy_smem = (size_t)kWarps * p.BT * p.BT * sizeof(float);  // <= 64 KB
+  KDA_RETURN_IF_ERROR(allow_smem(kda_wy_kernel, wy_smem));
+  kda_wy_kernel<<<wgrid, wblock, wy_smem, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  kda_aqk_kernel<<<wgrid, wblock, 0, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  const size_t rec_smem = (size_t)p.BT * rblock.x * sizeof(float);  // <= 64 KB
+  KDA_RETURN_IF_ERROR(allow_smem(kda_recur_kernel, rec_smem));
+  kda_recur_kernel<<<rgrid, rblock, rec_smem, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+  return cudaSuccess;
+}
+
+cudaError_t kda_bwd_launch(const KdaBwdParams& p, cudaStream_t stream) {
+  KDA_RETURN_IF_ERROR(kda_fwd_launch(p.f, stream));  // recompute; keeps every S_n
+  const KdaFwdParams& f = p.f;
+  const dim3 wgrid = warp_grid(f.B, f.H, f.NT), wblock(kWarps * 32);
+  const dim3 rgrid((unsigned)(f.B * f.H)), rblock(column_threads(f.V));
+
+  const size_t rec_smem = (size_t)2 * f.BT * rblock.x * sizeof(float);  // <= 128 KB
+  KDA_RETURN_IF_ERROR(allow_smem(kda_bwd_recur_kernel, rec_smem));
+  kda_bwd_recur_kernel<<<rgrid, rblock, rec_smem, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  kda_bwd_wy_kernel<<<wgrid, wblock, 0, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  kda_bwd_pre_kernel<<<wgrid, wblock, 0, stream>>>(p);
+  KDA_RETURN_IF_ERROR(cudaGetLastError());
+  return cudaSuccess;
+}
