@@ -1,0 +1,75 @@
+"""Stage 05: bf16 tensor cores through CuTe (SM80 16x8x16 MMA), forward only.
+
+With chunks of 16 tokens and the bounded gate (a >= lower_bound >= -5) the
+within-chunk gate sum stays above -80, so exp(-gc) fits bf16 and every product
+of the chunked algorithm, L and Aqk included, runs on tensor cores with fp32
+accumulation. K1 fuses the whole chunk-parallel prepare step (one block per
+chunk); K2 runs the recurrence with one block per (batch, head, 32 value
+columns), the state slice resident in shared memory. No per-chunk state is
+written. The profile build times each phase with clock64 (cycles per block).
+"""
+
+from pathlib import Path
+
+import torch
+
+from common import extrun
+from common.build import load_extension
+from common.contract import StageSpec, prepare
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ["binding.cpp", "kda.cu"]
+
+SPEC = StageSpec(
+    name="05_cute_bf16",
+    title="bf16 tensor cores through CuTe (BT=16, bounded gate); fused prepare kernel per chunk, "
+          "recurrence split over value columns with the state in shared memory",
+    devices=("cuda",),
+    gates=("bounded",),
+    chunk_sizes=(16,),
+    default_chunk=16,
+    head_dims=(64, 128),
+    equal_kv=True,
+    compute_dtype=torch.bfloat16,
+    backward=False,
+    regions=(
+        # ids 0-7, in the order of the KdaRegion enum in kda.h
+        "K1: load+pre-stage", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store",
+        "K2: loads / barriers", "K2: w@S", "K2: qd@S + Aqk@vcorr", "K2: S update",
+    ),
+    region_unit="cycles",
+    extra={"cutlass": True, "min_sm": 80},
+)
+
+# CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
+# switch off; CuTe's constexpr helpers are called from device code.
+CUDA_FLAGS = [
+    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+]
+
+
+def build(profile=False, verbose=False):
+    """Compile (or load the cached build of) this stage's extension."""
+    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose)
+
+
+def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+            output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
+    """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
+    c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+                lower_bound=lower_bound, chunk_size=chunk_size)
+    return extrun.run(build(), SPEC, c)
+
+
+def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+            output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
+            backward=False):
+    """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
+    c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+                lower_bound=lower_bound, chunk_size=chunk_size)
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward)
