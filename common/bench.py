@@ -34,8 +34,11 @@ def shape_label(s: dict) -> str:
     return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
 
 
-def _reps_for(fn, device, budget_s: float) -> int:
-    """Pick a repetition count so one measurement takes about ``budget_s``."""
+LONG_CALL_S = 0.05  # above this, launch overhead is noise: no graph replay, fewer repetitions
+
+
+def _probe(fn, device) -> float:
+    """Seconds of one call after one warm-up call."""
     fn()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -43,8 +46,21 @@ def _reps_for(fn, device, budget_s: float) -> int:
     fn()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-    dt = max(time.perf_counter() - t0, 1e-6)
-    return int(max(3, min(50, budget_s / dt)))
+    return max(time.perf_counter() - t0, 1e-6)
+
+
+def _timed(fn, device, budget_s: float, graph: bool) -> dict:
+    """Time ``fn`` with a repetition count that fits ``budget_s``; long calls
+    (> LONG_CALL_S) get 3 repetitions and no graph replay."""
+    dt = _probe(fn, device)
+    reps = int(max(3, min(50, budget_s / dt)))
+    long_call = dt > LONG_CALL_S
+    out = time_call(fn, device, reps=3 if long_call else reps, graph=graph and not long_call,
+                    warmup=0 if long_call else None)
+    if graph and long_call and torch.device(device).type == "cuda":
+        out["graph_ms"] = None
+        out["graph_note"] = f"one call takes {dt * 1e3:.0f} ms: launch overhead is noise, no graph replay"
+    return out
 
 
 def _backward_fn(stage, kw, device):
@@ -88,8 +104,7 @@ def bench_stage(stage_id, shape: dict, *, gate="softplus", chunk=None, backward=
         with torch.no_grad():
             fwd(**kw)
 
-    reps = _reps_for(f, dev, budget_s)
-    t = time_call(f, dev, reps=reps, graph=graph)
+    t = _timed(f, dev, budget_s, graph)
     row.update({"fwd_" + k: v for k, v in t.items()})
     if has_bwd:
         if stage_id == "fla":
@@ -103,13 +118,14 @@ def bench_stage(stage_id, shape: dict, *, gate="softplus", chunk=None, backward=
         else:
             b = _backward_fn(stage, kw, dev)
             gb = graph and stage.build() is not None
-        reps = _reps_for(b, dev, budget_s)
-        t = time_call(b, dev, reps=reps, graph=gb)
+        t = _timed(b, dev, budget_s, gb)
         row.update({"bwd_" + k: v for k, v in t.items()})
     return row
 
 
-def sweep(stage_ids, shapes, *, progress=None, **kw) -> list[dict]:
+def sweep(stage_ids, shapes, *, progress=None, on_row=None, **kw) -> list[dict]:
+    """bench_stage over stages x shapes; ``on_row(rows)`` after each row (to save
+    as it goes)."""
     rows = []
     for sid in stage_ids:
         for shape in shapes:
@@ -119,4 +135,8 @@ def sweep(stage_ids, shapes, *, progress=None, **kw) -> list[dict]:
                 rows.append(bench_stage(sid, shape, **kw))
             except RuntimeError as e:  # out of memory or an unavailable reference: record why
                 rows.append(dict(stage=str(sid), **shape, error=str(e).splitlines()[0][:300]))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if on_row is not None:
+                on_row(rows)
     return rows

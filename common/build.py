@@ -112,8 +112,8 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
     name = extension_name(stage_name, profile)
     if name in _LOADED:
         return _LOADED[name]
+    home = setup_cuda_home()  # before torch.utils.cpp_extension reads it at import
     if cuda:
-        home = setup_cuda_home()
         if home is None:
             raise RuntimeError("CUDA toolkit not found: set CUDA_HOME to the directory holding bin/nvcc "
                                "and include/cuda_runtime.h")

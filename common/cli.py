@@ -106,9 +106,13 @@ def cmd_bench(args) -> int:
 
     sweeps = {"cpu": bench.CPU_SWEEP, "fp32-gpu": bench.FP32_GPU_SWEEP, "tc-gpu": bench.TC_GPU_SHAPES}
     ids = [s if s == "fla" else normalize(s) for s in args.stages.split(",")]
+    meta = metadata(command="kdalab " + " ".join(sys.argv[1:]))
+    tc = args.sweep == "tc-gpu"  # tensor-core stages: bf16 inputs, forward only (FLA too)
     rows = bench.sweep(ids, sweeps[args.sweep], gate=args.gate, chunk=args.chunk,
-                       progress=lambda m: _say(f"[bench] {m}"), budget_s=args.budget)
-    path = save(args.out, rows, metadata(command="kdalab " + " ".join(sys.argv[1:])))
+                       dtype=torch.bfloat16 if tc else torch.float32, backward=False if tc else None,
+                       progress=lambda m: _say(f"[bench] {m}"), budget_s=args.budget,
+                       on_row=lambda rows: save(args.out, rows, meta))
+    path = save(args.out, rows, meta)
     _say(report.latency_table(rows))
     _say(f"wrote {path}")
     return 0

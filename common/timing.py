@@ -77,15 +77,16 @@ def time_cuda_graph(fn, *, warmup: int = 3, reps: int = 50, calls_per_graph: int
     return {"graph_ms": statistics.median(times), "graph_min_ms": min(times), "graph_reps": len(times)}
 
 
-def time_call(fn, device, *, reps: int | None = None, graph: bool = True, max_seconds: float = 20.0) -> dict:
+def time_call(fn, device, *, reps: int | None = None, graph: bool = True, max_seconds: float = 20.0,
+              warmup: int | None = None) -> dict:
     """Time ``fn`` where it runs: CPU wall clock, or GPU events + graph replay."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        out = time_cuda(fn, reps=reps or 50)
+        out = time_cuda(fn, reps=reps or 50, warmup=5 if warmup is None else warmup)
         if graph:
             try:
                 out.update(time_cuda_graph(fn, reps=reps or 50))
             except RuntimeError as e:  # a call that cannot be captured: say so, keep eager
                 out["graph_error"] = str(e).splitlines()[0][:200]
         return out
-    return time_cpu(fn, reps=reps or 5, max_seconds=max_seconds)
+    return time_cpu(fn, reps=reps or 5, max_seconds=max_seconds, warmup=1 if warmup is None else warmup)

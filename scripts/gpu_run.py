@@ -101,38 +101,66 @@ def record_profiles(stages):
     save(OUT / "profiles.json", rows, metadata(command="python scripts/gpu_run.py (profiles)"))
 
 
+def sanitize(stages):
+    """memcheck, racecheck and synccheck on every stage, in parallel processes."""
+    jobs = [(sid, tool) for sid in stages for tool in ("memcheck", "racecheck", "synccheck")]
+
+    def one(job):
+        sid, tool = job
+        return sh(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", sys.executable,
+                   "scripts/sanitize_case.py", sid], 400, f"sanitizer_{sid}_{tool}")
+
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        rcs = list(ex.map(one, jobs))
+    for (sid, tool), rc in zip(jobs, rcs):
+        log(f"sanitizer {sid} {tool}: {'clean' if rc == 0 else 'FAILED rc=' + str(rc)}")
+    with open(OUT / "sanitizer.txt", "w") as f:
+        for sid, tool in jobs:
+            p = OUT / f"sanitizer_{sid}_{tool}.txt"
+            f.write(p.read_text())
+            p.unlink()
+
+
+PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-tc")
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--stages", default="02,03,04")
-    p.add_argument("--skip", default="")
-    p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmark")
-    p.add_argument("--bench-timeout", type=int, default=300)
+    p.add_argument("--stages", default="02,03,04,05")
+    p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmarks")
+    p.add_argument("--bench-timeout", type=int, default=420)
     args = p.parse_args()
     stages = args.stages.split(",")
-    skip = set(args.skip.split(",")) - {""}
+    phases = args.phases.split(",")
     import torch
 
-    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, stages {stages}")
-    if not build_all(stages):
+    from common.stages import load_stage
+
+    fp32 = [s for s in stages if load_stage(s).SPEC.compute_dtype == torch.float32]
+    tc = [s for s in stages if s not in fp32]
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, stages {stages}, phases {phases}")
+    if "build" in phases and not build_all(stages):
         log("BUILD FAILED: see build.txt")
         return 1
-    if "tests" not in skip:
+    if "tests" in phases:
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
             "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_contract.py"],
            900, "pytest")
-    if "checks" not in skip:
+    if "checks" in phases:
         record_checks(stages)
-    if "profiles" not in skip:
+    if "profiles" in phases:
         record_profiles(stages)
-    if "sanitize" not in skip:
-        for sid in stages:
-            for tool in ("memcheck", "racecheck", "synccheck"):
-                sh(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", sys.executable,
-                    "scripts/sanitize_case.py", sid], 300, "sanitizer")
-    if "bench" not in skip:
-        ids = ",".join(stages + (["fla"] if args.fla else []))
-        sh([sys.executable, "-m", "common.cli", "bench", "--stages", ids, "--sweep", "fp32-gpu",
+    if "sanitize" in phases:
+        sanitize(stages)
+    fla = ["fla"] if args.fla else []
+    if "bench-fp32" in phases and fp32:
+        sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(fp32 + fla), "--sweep", "fp32-gpu",
             "--out", str(OUT / "fp32_stages.json"), "--budget", "0.5"], args.bench_timeout, "bench")
+    if "bench-tc" in phases and tc:
+        sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(tc + fla), "--sweep", "tc-gpu",
+            "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"],
+           args.bench_timeout, "bench")
     log("done")
     return 0
 

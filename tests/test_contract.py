@@ -10,10 +10,26 @@ from common.inputs import make_inputs
 from common.stages import load_stage, stage_ids
 
 
-def _kw(**over):
-    kw = make_inputs(1, 20, 2, 16, 8, seed=0)
+def _device(spec):
+    return "cpu" if "cpu" in spec.devices else "cuda"
+
+
+def _kw(spec=None, device=None, **over):
+    """Valid inputs for a stage (on its device), then ``over`` applied."""
+    K, V = (spec.head_dims[0], spec.head_dims[0]) if (spec and spec.head_dims) else (16, 8)
+    gate = "softplus" if (spec is None or "softplus" in spec.gates) else "bounded"
+    chunk = spec.default_chunk if spec else None
+    kw = make_inputs(1, 20, 2, K, V, seed=0, gate=gate, chunk_size=chunk,
+                     device=device or (_device(spec) if spec else "cpu"))
     kw.update(over)
     return kw
+
+
+def _big(kw, last):
+    """Inputs whose feature size is ``last`` (K = last): q, k, g, dt_bias."""
+    q = kw["q"]
+    return dict(q=q.new_zeros(1, 20, 2, last) + 1, k=q.new_zeros(1, 20, 2, last) + 1,
+                g=q.new_zeros(1, 20, 2, last), dt_bias=kw["dt_bias"].new_zeros(2, last), initial_state=None)
 
 
 # (id, overrides as a function of the good kwargs, exception, words in the message)
@@ -28,14 +44,12 @@ BAD = [
     ("g-H-mismatch", lambda kw: dict(g=kw["g"][:, :, :1]), ValueError, "g must be [B, T, H, K]"),
     ("beta-shape", lambda kw: dict(beta=kw["beta"][..., None]), ValueError, "beta must be [B, T, H]"),
     ("A_log-shape", lambda kw: dict(A_log=kw["A_log"][:1]), ValueError, "A_log must be [H]"),
-    ("dt_bias-shape", lambda kw: dict(dt_bias=kw["dt_bias"].t()), ValueError, "dt_bias must be [H, K]"),
+    ("dt_bias-shape", lambda kw: dict(dt_bias=kw["dt_bias"][:, :3]), ValueError, "dt_bias must be [H, K]"),
     ("h0-shape", lambda kw: dict(initial_state=kw["initial_state"][:, :, :4]), ValueError,
      "initial_state must be [B, H, K, V]"),
-    ("K-too-big", lambda kw: {n: torch.randn(1, 3, 1, 300) for n in ("q", "k", "g")} | dict(
-        v=torch.randn(1, 3, 1, 8), beta=torch.randn(1, 3, 1), A_log=torch.zeros(1), dt_bias=torch.zeros(1, 300),
-        initial_state=None), ValueError, "K (q.shape[3]) must be in"),
-    ("V-too-big", lambda kw: dict(v=torch.randn(1, 20, 2, 300), initial_state=None), ValueError,
-     "V (v.shape[3]) must be in"),
+    ("K-too-big", lambda kw: _big(kw, 300), ValueError, "K (q.shape[3]) must be"),
+    ("V-too-big", lambda kw: dict(v=kw["v"].new_zeros(1, 20, 2, 300), initial_state=None), ValueError,
+     "V (v.shape[3]) must be"),
     ("gate-unknown", lambda kw: dict(gate="sigmoid"), ValueError, "gate must be 'softplus' or 'bounded'"),
     ("lb-with-softplus", lambda kw: dict(gate="softplus", lower_bound=-5.0), ValueError,
      "lower_bound is only used with gate='bounded'"),
@@ -54,14 +68,27 @@ BAD = [
 @pytest.mark.parametrize("sid", stage_ids())
 @pytest.mark.parametrize("case_id,over,exc,words", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_refused(sid, case_id, over, exc, words):
-    stage = load_stage(sid)
-    if "cpu" not in stage.SPEC.devices and case_id != "q-not-tensor":
-        pytest.skip("checked for GPU stages in test_gpu_stage_refuses_cpu_tensors")
-    kw = _kw()
-    kw.update(over(kw))
+    """Every stage on its own device (GPU stages run this on a GPU)."""
+    spec = load_stage(sid).SPEC
+    if _device(spec) == "cuda" and not torch.cuda.is_available():
+        pytest.skip("a GPU stage: its inputs must live on a GPU")
+    kw = _kw(spec)
+    over = over(kw)
+    if over.get("gate") == "softplus" and "softplus" not in spec.gates:
+        pytest.skip(f"{spec.name} has no softplus gate")
+    kw.update(over)
     with pytest.raises(exc) as e:
-        stage.forward(**kw)
+        load_stage(sid).forward(**kw)
     assert words in str(e.value)
+
+
+def test_unsupported_gate_is_refused():
+    kw = _kw()
+    from common.contract import StageSpec
+
+    spec = StageSpec(name="99_test", title="", gates=("bounded",))
+    with pytest.raises(ValueError, match="gate='softplus' is not supported by stage 99_test"):
+        prepare(spec, **{k: v for k, v in kw.items()})
 
 
 @pytest.mark.parametrize("sid", stage_ids())
@@ -78,7 +105,7 @@ def test_wrong_device_is_refused(sid):
         with pytest.raises(ValueError, match="must be on cpu"):
             stage.forward(**kw)
     else:
-        kw = make_inputs(1, 20, 2, 16, 16)
+        kw = _kw(spec, device="cpu")
         with pytest.raises(ValueError, match="q must be on cuda"):
             stage.forward(**kw)
 
