@@ -252,8 +252,8 @@ void bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, con
 #ifdef KDA_PROFILE
   const auto t0 = std::chrono::steady_clock::now();
 #endif
-  dA_log.copy_(dA_tok.sum({0, 1}));
-  ddt_bias.copy_(dg.sum({0, 1}));
+  dA_log.copy_(dA_tok.sum(at::IntArrayRef{0, 1}));
+  ddt_bias.copy_(dg.sum(at::IntArrayRef{0, 1}));
 #ifdef KDA_PROFILE
   if (pr) pr[kBwdPrestageAdjoint] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #endif

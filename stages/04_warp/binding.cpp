@@ -298,8 +298,8 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   kda_check(kda_bwd_launch(p, stream), "kda backward");
 
   // sums over batch and time, deterministic (torch reductions, no atomics)
-  ddt_bias.copy_(dg.sum({0, 1}));          // dg is d/dx, x = g + dt_bias
-  dA_log.copy_(dAlog_part.sum({0, 1}));
+  ddt_bias.copy_(dg.sum(at::IntArrayRef{0, 1}));          // dg is d/dx, x = g + dt_bias
+  dA_log.copy_(dAlog_part.sum(at::IntArrayRef{0, 1}));
 }
 
 }  // namespace
