@@ -140,7 +140,10 @@ def main():
     fp32 = [s for s in stages if load_stage(s).SPEC.compute_dtype == torch.float32]
     tc = [s for s in stages if s not in fp32]
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, stages {stages}, phases {phases}")
-    if "build" in phases and not build_all(stages):
+    from common.stages import previous
+
+    to_build = sorted(set(stages) | {previous(s) for s in stages} - {None, "00"})
+    if "build" in phases and not build_all(to_build):
         log("BUILD FAILED: see build.txt")
         return 1
     if "tests" in phases:
