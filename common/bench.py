@@ -35,29 +35,29 @@ def shape_label(s: dict) -> str:
 
 
 LONG_CALL_S = 0.05  # above this, launch overhead is noise: no graph replay, fewer repetitions
-
-
-def _probe(fn, device) -> float:
-    """Seconds of one call after one warm-up call."""
-    fn()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    return max(time.perf_counter() - t0, 1e-6)
+VERY_LONG_CALL_S = 0.5  # above this, the first call is the warm-up and two more are timed
 
 
 def _timed(fn, device, budget_s: float, graph: bool) -> dict:
-    """Time ``fn`` with a repetition count that fits ``budget_s``; long calls
-    (> LONG_CALL_S) get 3 repetitions and no graph replay."""
-    dt = _probe(fn, device)
-    reps = int(max(3, min(50, budget_s / dt)))
+    """Time ``fn`` with a repetition count that fits ``budget_s``. Long calls
+    (> LONG_CALL_S) get no graph replay and 3 repetitions; very long ones
+    (> VERY_LONG_CALL_S) use their first call as the warm-up and time 2 more."""
+    cuda = torch.device(device).type == "cuda"
+    t0 = time.perf_counter()
+    fn()  # warm-up (lazy initialisation, autotuning)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if dt <= VERY_LONG_CALL_S:
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = max(time.perf_counter() - t0, 1e-6)
     long_call = dt > LONG_CALL_S
-    out = time_call(fn, device, reps=3 if long_call else reps, graph=graph and not long_call,
-                    warmup=0 if long_call else None)
-    if graph and long_call and torch.device(device).type == "cuda":
+    reps = 2 if dt > VERY_LONG_CALL_S else (3 if long_call else int(max(3, min(50, budget_s / dt))))
+    out = time_call(fn, device, reps=reps, graph=graph and not long_call, warmup=0 if long_call else None)
+    if graph and long_call and cuda:
         out["graph_ms"] = None
         out["graph_note"] = f"one call takes {dt * 1e3:.0f} ms: launch overhead is noise, no graph replay"
     return out

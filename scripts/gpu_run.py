@@ -90,10 +90,15 @@ def record_profiles(stages):
     from common.results import metadata, save
     from common.stages import load_stage
 
+    import torch
+
     rows = []
     for sid in stages:
         stage = load_stage(sid)
         kw = checks.make_inputs(**PROFILE_SHAPE["cuda"], seed=0, device="cuda")
+        if stage.SPEC.compute_dtype == torch.bfloat16:
+            kw = checks.make_inputs(**PROFILE_SHAPE["cuda"], seed=0, device="cuda", dtype=torch.bfloat16,
+                                    gate="bounded", chunk_size=16)
         prof = stage.profile(**kw, backward=stage.SPEC.backward)
         rows += [dict(stage=stage.SPEC.name, region=k, value=v, unit=stage.SPEC.region_unit,
                       **PROFILE_SHAPE["cuda"]) for k, v in prof.items()]
@@ -121,7 +126,7 @@ def sanitize(stages):
             p.unlink()
 
 
-PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-tc")
+PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-fla-fp32", "bench-tc")
 
 
 def main():
@@ -158,8 +163,11 @@ def main():
         sanitize(stages)
     fla = ["fla"] if args.fla else []
     if "bench-fp32" in phases and fp32:
-        sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(fp32 + fla), "--sweep", "fp32-gpu",
+        sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(fp32), "--sweep", "fp32-gpu",
             "--out", str(OUT / "fp32_stages.json"), "--budget", "0.5"], args.bench_timeout, "bench")
+    if "bench-fla-fp32" in phases and args.fla:
+        sh([sys.executable, "-m", "common.cli", "bench", "--stages", "fla", "--sweep", "fp32-gpu",
+            "--out", str(OUT / "fp32_fla.json"), "--budget", "0.5"], args.bench_timeout, "bench")
     if "bench-tc" in phases and tc:
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(tc + fla), "--sweep", "tc-gpu",
             "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"],
