@@ -108,8 +108,12 @@ def cmd_bench(args) -> int:
     ids = [s if s == "fla" else normalize(s) for s in args.stages.split(",")]
     meta = metadata(command="kdalab " + " ".join(sys.argv[1:]))
     tc = args.sweep == "tc-gpu"  # tensor-core stages: bf16 inputs, forward only (FLA too)
-    rows = bench.sweep(ids, sweeps[args.sweep], gate=args.gate, chunk=args.chunk,
-                       dtype=torch.bfloat16 if tc else torch.float32, backward=False if tc else None,
+    shapes = sweeps[args.sweep]
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    rows = bench.sweep(ids, shapes, gate=args.gate, chunk=args.chunk,
+                       dtype=torch.bfloat16 if tc else torch.float32,
+                       backward=False if (tc or args.forward_only) else None,
                        progress=lambda m: _say(f"[bench] {m}"), budget_s=args.budget,
                        on_row=lambda rows: save(args.out, rows, meta))
     path = save(args.out, rows, meta)
@@ -151,6 +155,8 @@ def main(argv=None) -> int:
     b.add_argument("--gate", default="softplus", choices=("softplus", "bounded"))
     b.add_argument("--chunk", type=int, default=None)
     b.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
+    b.add_argument("--shapes", default=None, help="comma-separated indices into the sweep (default: all)")
+    b.add_argument("--forward-only", action="store_true", help="time the forward only")
     b.add_argument("--out", required=True)
     b.set_defaults(fn=cmd_bench)
     r = sub.add_parser("results", help="print the recorded results table")
