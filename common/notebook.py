@@ -97,13 +97,21 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         print("recorded: " + results.label(meta))
     if not profs:
         return None
-    ax = plot_profile(profs, unit, title=f"Region profile ({'wall time' if unit == 's' else 'clock64 cycles per block'})")
-    return ax
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(4.5 + 2.6 * len(profs), 4.2))
+    what = "wall time" if unit == "s" else "clock64 cycles per block"
+    plot_profile(profs, unit, title=f"Region profile ({what})", ax=a1)
+    a1.get_legend().remove()
+    plot_profile(profs, unit, title="Share of each region", ax=a2, normalize=True)
+    fig.tight_layout()
+    return a1
 
 
-def latency(stage_ids, *, sweep: str = "auto", with_fla: bool = False, y: str = "fwd_ms", title=None):
+def latency(stage_ids, *, sweep: str = "auto", y: str = "fwd", title=None):
     """Latency against T for a few stages: live for the stages that run here
-    (CPU sweep on a CPU), recorded H200 figures for the rest."""
+    (CPU sweep on a CPU), recorded H200 figures for the rest. ``y`` is "fwd"
+    or "bwd": GPU time (graph replay) where there is one, else the eager time."""
     live_rows, rec_rows = [], []
     meta, rec = _recorded("fp32_stages")
     for sid in stage_ids:
@@ -118,14 +126,17 @@ def latency(stage_ids, *, sweep: str = "auto", with_fla: bool = False, y: str = 
             live_rows += bench.sweep([sid], shapes, budget_s=0.3)
         rec_rows += [r for r in rec if r.get("stage") == spec.name]
     figs = []
+    key = f"{y}_best_ms"
     for rows, where in ((live_rows, "measured live"), (rec_rows, "recorded")):
+        for r in rows:
+            r[key] = r.get(f"{y}_graph_ms") if r.get(f"{y}_graph_ms") is not None else r.get(f"{y}_ms")
         rows = [dict(r, series=f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})") for r in rows
-                if r.get(y) is not None]
+                if r.get(key) is not None]
         sweep_rows = [r for r in rows if not (r["H"] == 64 and r["K"] == 128)]
         if not sweep_rows:
             continue
-        ax = plot_latency(sweep_rows, y=y, by="series", ylabel=y.replace("_", " "),
-                          title=title or f"{y.replace('_', ' ')} vs T ({where})")
+        ax = plot_latency(sweep_rows, y=key, by="series", ylabel=f"{y} ms (GPU time where measured)",
+                          title=(title or f"{y} latency vs T") + f" ({where})")
         figs.append(ax)
         if where == "recorded" and meta is not None:
             print("recorded: " + results.label(meta))
@@ -155,4 +166,73 @@ def resources(stage_id) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["environment", "build", "error_table", "profile", "latency", "latency_rows", "resources", "plot_bars"]
+
+
+
+def _anchor_rows():
+    """FLA / FlashKDA figures measured on the same H200 before this project
+    (results/anchors/), as rows like the benchmark's."""
+    from .paths import RESULTS_DIR
+    import json
+
+    rows = []
+    for p in sorted((RESULTS_DIR / "anchors").glob("*.json")):
+        data = json.loads(p.read_text())
+        for r in data.get("rows", []):
+            shape = dict(B=r["B"], T=r["T"], H=r["H"], K=r["D"], V=r["D"])
+            if r.get("fla_safe_graph_ms") is not None:
+                rows.append(dict(stage="FLA chunk_kda (safe gate, bf16; anchor)", **shape,
+                                 fwd_graph_ms=r["fla_safe_graph_ms"], fwd_ms=r.get("fla_safe_ms")))
+            if r.get("flashkda_graph_ms") is not None:
+                rows.append(dict(stage="FlashKDA (anchor)", **shape, fwd_graph_ms=r["flashkda_graph_ms"],
+                                 fwd_ms=r.get("flashkda_ms")))
+    return rows
+
+
+def tc_latency(stage_ids=("05",)):
+    """Tensor-core stages against FLA and FlashKDA at the six H200 shapes:
+    recorded stage figures, anchors for the references. GPU time (graph replay)
+    where recorded, else eager."""
+    meta, rec = _recorded("tc_stages")
+    names = [load_stage(s).SPEC.name for s in stage_ids]
+    rows = [r for r in rec if r.get("stage") in names] + _anchor_rows()
+    for r in rows:
+        r["shape"] = bench.shape_label(r)
+        r["ms"] = r.get("fwd_graph_ms") if r.get("fwd_graph_ms") is not None else r.get("fwd_ms")
+    if meta is not None:
+        print("recorded: " + results.label(meta))
+    print("anchors: FLA / FlashKDA measured on the same H200 (results/anchors/, 2026-11-29)")
+    ax = plot_bars(rows, x="shape", y="ms", by="stage", title="Forward latency on the H200 (GPU time, ms)",
+                   ylabel="ms")
+    df = pd.DataFrame(rows)
+    return ax, df.pivot_table(index="shape", columns="stage", values="ms", sort=False)
+
+
+def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
+    """The whole ladder at one shape, from the recorded figures: forward
+    latency per stage (GPU time where recorded) plus the references."""
+    rows = []
+    for name in ("fp32_stages", "tc_stages"):
+        meta, rec = _recorded(name)
+        for r in rec:
+            if all(r.get(k) == v for k, v in shape.items()):
+                ms = r.get("fwd_graph_ms") if r.get("fwd_graph_ms") is not None else r.get("fwd_ms")
+                label = r["stage"] + (" (fp32, softplus)" if r["stage"].startswith("FLA") else "")
+                rows.append(dict(stage=label, fwd_ms=ms, bwd_ms=r.get("bwd_graph_ms") or r.get("bwd_ms"),
+                                 note=r.get("error") or r.get("note") or ""))
+    rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor")
+             for r in _anchor_rows() if all(r.get(k) == v for k, v in shape.items())]
+    order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
+    rows.sort(key=lambda r: order.get(r["stage"], 100))
+    df = pd.DataFrame(rows)
+    ok = df[df["fwd_ms"].notna()]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(ok["stage"], ok["fwd_ms"])
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("forward ms (log scale)")
+    ax.set_title(f"The ladder at {bench.shape_label(shape)} (H200, recorded)")
+    fig.tight_layout()
+    return ax, df

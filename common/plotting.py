@@ -43,8 +43,7 @@ def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the tim
         for r in regions:
             val = prof.get(r, 0.0)
             val = val / total if normalize else val * scale
-            ax.bar(x, val, bottom=bottom, color=colors[r], label=r if x == 0 or r not in profiles[labels[0]] else None,
-                   width=0.6, edgecolor="white", linewidth=0.5)
+            ax.bar(x, val, bottom=bottom, color=colors[r], label=r, width=0.6, edgecolor="white", linewidth=0.5)
             bottom += val
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("fraction of total" if normalize else shown_unit)

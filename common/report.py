@@ -56,7 +56,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary, lat_rows, profiles, md, all_ok = [], [], {}, [], True
-    meta = results.metadata(command="kdalab tour" + (" --quick" if quick else ""))
+    meta = results.metadata(command="kdalab tour" + (" --quick" if quick else "") + (" --record" if record else ""))
     md.append(f"# KDA Lab tour\n\n{meta['device']}, {meta['date']}, commit {meta['commit']}, "
               f"torch {meta['torch']}.\n")
     for sid in stage_ids:
@@ -71,9 +71,9 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         ok, why = spec.runnable_here()
         if not ok:
             rec = recorded_rows(spec.name)
-            say(f"[tour] {spec.name}: skipped here: {why}" + (f"; {len(rec)} recorded result file(s)" if rec else
-                                                               "; no recorded results yet"))
-            summary.append(dict(stage=spec.name, status=f"cannot run here: {why}"))
+            say(f"[tour] {spec.name}: not run here ({why}); showing its recorded results" if rec else
+                f"[tour] {spec.name}: not run here ({why}); no recorded results yet")
+            summary.append(_recorded_summary(spec.name, why))
             md.append(f"## {spec.name}: not run here\n\n{why}.\n")
             for m, rows in rec:
                 md.append(f"Recorded ({results.label(m)}):\n\n{latency_table(rows)}\n")
@@ -100,10 +100,12 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         pshape = PROFILE_SHAPE[dev.type]
         kw = checks.make_inputs(**pshape, seed=0, device=dev)
         profiles[spec.name] = stage.profile(**kw, backward=spec.backward)
-        summary.append(dict(stage=spec.name, status="ok" if stage_ok else "FAILED",
+        summary.append(dict(stage=spec.name, status=("ok" if stage_ok else "FAILED") + f", measured here ({dev.type})",
                             err_ref=max(r["err_ref"] for r in worst),
                             err_prev=max((r["err_prev"] for r in worst if r["err_prev"] is not None), default=None),
-                            fwd_ms=lrows[-1].get("fwd_ms"), bwd_ms=lrows[-1].get("bwd_ms")))
+                            fwd_ms=lrows[-1].get("fwd_graph_ms") or lrows[-1].get("fwd_ms"),
+                            bwd_ms=lrows[-1].get("bwd_graph_ms") or lrows[-1].get("bwd_ms"),
+                            shape=bench.shape_label(lrows[-1])))
         md.append(f"## {spec.name}: {spec.title}\n\nChecks ({len(cases)} cases, worst per output):\n\n"
                   + checks.format_rows(worst, columns=("output", "err_ref", "err_prev", "tol", "ok")) + "\n"
                   + f"Profile at {bench.shape_label(pshape)} ({spec.region_unit}):\n\n"
@@ -121,9 +123,8 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
             name = f"profile_{'cpu' if unit == 's' else 'gpu'}.png"
             ax.figure.savefig(out_dir / name, dpi=110)
             md.append(f"\n![profile]({name})\n")
-    table = md_table(summary, ["stage", "status", "err_ref", "err_prev", "fwd_ms", "bwd_ms"],
-                     ["stage", "status", "max err vs fp64", "max err vs prev", "fwd ms (last shape)",
-                      "bwd ms (last shape)"])
+    table = md_table(summary, ["stage", "status", "err_ref", "err_prev", "shape", "fwd_ms", "bwd_ms"],
+                     ["stage", "status", "max err vs fp64", "max err vs prev", "at shape", "fwd ms", "bwd ms"])
     md.insert(1, "## Summary\n\n" + table)
     path = out_dir / "tour.md"
     path.write_text("\n".join(md))
@@ -131,6 +132,35 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
     if record:
         results.save(RESULTS_DIR / "cpu" / "tour.json", lat_rows, meta)
     return dict(ok=all_ok, table=table, path=path, rows=lat_rows, profiles=profiles)
+
+
+def _recorded_summary(stage_name: str, why: str) -> dict:
+    """A summary row for a stage this machine cannot run, from results/: the
+    recorded worst errors and the latency at the last shape of its sweep."""
+    row = dict(stage=stage_name, status=f"not run here ({why}); recorded figures")
+    devices = set()
+    for meta, rows in recorded_rows(stage_name):
+        for r in rows:
+            if "err_ref" in r:
+                row["err_ref"] = max(row.get("err_ref") or 0.0, r["err_ref"])
+                if r.get("err_prev") is not None:
+                    row["err_prev"] = max(row.get("err_prev") or 0.0, r["err_prev"])
+                devices.add(meta.get("device"))
+            elif r.get("fwd_ms") is not None:
+                row["fwd_ms"] = r.get("fwd_graph_ms") or r["fwd_ms"]
+                row["bwd_ms"] = r.get("bwd_graph_ms") or r.get("bwd_ms")
+                row["shape"] = shape_label_safe(r)
+                devices.add(meta.get("device"))
+    if devices:
+        row["status"] = f"not run here ({why}); recorded on {', '.join(sorted(d for d in devices if d))}"
+    return row
+
+
+def shape_label_safe(r) -> str:
+    try:
+        return bench.shape_label(r)
+    except KeyError:
+        return "-"
 
 
 def load_stage_safe(sid):
