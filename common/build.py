@@ -113,6 +113,10 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
     if name in _LOADED:
         return _LOADED[name]
     home = setup_cuda_home()  # before torch.utils.cpp_extension reads it at import
+    import logging
+
+    # On a machine without a GPU torch warns at import that it found no CUDA runtime; expected here.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if cuda:
         if home is None:
             raise RuntimeError("CUDA toolkit not found: set CUDA_HOME to the directory holding bin/nvcc "
@@ -136,7 +140,8 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
     cuda_flags = ["-O3", "-lineinfo"] + defs + list(extra_cuda_cflags)
     t0 = time.time()
     if not quiet:
-        print(f"[kdalab] building {name} in {build_dir} ...", flush=True)
+        print(f"[kdalab] {name}: compiling what changed in {build_dir} (a first build takes about a minute) ...",
+              flush=True)
     with _build_lock(build_dir):
         mod = cpp_extension.load(
             name=name,
@@ -149,7 +154,7 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
             with_cuda=cuda,
         )
     if not quiet:
-        print(f"[kdalab] {name} ready ({time.time() - t0:.1f} s)", flush=True)
+        print(f"[kdalab] {name} loaded ({time.time() - t0:.1f} s)", flush=True)
     _LOADED[name] = mod
     return mod
 
