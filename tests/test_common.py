@@ -1,0 +1,70 @@
+"""The shared helpers: build discovery, ptxas parsing, results store, timing, plots."""
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import torch
+
+from common import build, plotting, results, timing
+from common.metrics import rel_err
+
+
+def test_cuda_home_found_behind_a_wrapper(tmp_path, monkeypatch):
+    """An nvcc on PATH that is a wrapper script: its folder is not the toolkit."""
+    home = build.find_cuda_home()
+    if home is None:
+        import pytest
+
+        pytest.skip("no CUDA toolkit on this machine")
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\nexec {home}/bin/nvcc \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    assert build.find_cuda_home() == str(Path(home).resolve())
+
+
+def test_parse_ptxas():
+    text = """ptxas info    : Compiling entry function '_Z6kernelPf' for 'sm_90'
+ptxas info    : Function properties for _Z6kernelPf
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers, 1024 bytes smem, 380 bytes cmem[0]
+"""
+    rows = build._parse_ptxas(text)
+    assert rows == [dict(kernel="kernel", registers=40, smem_bytes=1024, stack_bytes=8, spill_stores=4,
+                         spill_loads=4)]
+
+
+def test_results_roundtrip(tmp_path):
+    meta = results.metadata(command="pytest")
+    assert {"device", "date", "commit", "command", "torch"} <= set(meta)
+    p = results.save(tmp_path / "x" / "r.json", [dict(stage="00_naive", ms=1.5)], meta)
+    data = results.load(p)
+    assert data["rows"][0]["ms"] == 1.5 and data["meta"]["command"] == "pytest"
+    assert "recorded on" in results.label(data["meta"])
+    json.loads(p.read_text())
+
+
+def test_time_cpu_counts_repetitions():
+    calls = []
+    out = timing.time_cpu(lambda: calls.append(1), warmup=2, reps=4)
+    assert len(calls) == 6 and out["reps"] == 4 and out["ms"] >= 0
+
+
+def test_plots_draw():
+    ax = plotting.plot_profile({"a": {"r1": 1.0, "r2": 2.0}, "b": {"r1": 0.5}}, "cycles")
+    assert len(ax.patches) == 4  # 2 bars x 2 regions (one of height 0)
+    ax = plotting.plot_latency([dict(stage="s", T=64, ms=1.0), dict(stage="s", T=128, ms=2.0)], y="ms")
+    assert len(ax.lines) == 1
+
+
+def test_rel_err_rejects_nan_and_shape_mismatch():
+    import pytest
+
+    assert rel_err(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
+    with pytest.raises(ValueError):
+        rel_err(torch.zeros(2), torch.zeros(3))
