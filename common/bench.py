@@ -30,6 +30,15 @@ TC_GPU_SHAPES = [dict(B=1, T=1024, H=64, K=128, V=128), dict(B=8, T=1024, H=64, 
                  dict(B=1, T=4096, H=16, K=128, V=128), dict(B=2, T=2048, H=4, K=64, V=64)]
 
 
+def sweep_for(spec, device, quick: bool = False):
+    """The shapes a stage is timed on where it runs."""
+    if spec.compute_dtype == torch.bfloat16:
+        return TC_GPU_SHAPES
+    if torch.device(device).type == "cpu":
+        return CPU_SWEEP[:3] if quick else CPU_SWEEP
+    return FP32_GPU_SWEEP
+
+
 def shape_label(s: dict) -> str:
     return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
 
@@ -84,14 +93,17 @@ def _backward_fn(stage, kw, device):
     return lambda: torch.autograd.grad((o, S), inputs, (do, dht), retain_graph=True)
 
 
-def bench_stage(stage_id, shape: dict, *, gate="softplus", chunk=None, backward=None, device=None,
+def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, device=None,
                 dtype=torch.float32, budget_s: float = 1.0, graph: bool = True) -> dict:
-    """Time one stage (or "fla") at one shape. Returns a flat row."""
+    """Time one stage (or "fla") at one shape. Returns a flat row. ``gate`` and
+    ``chunk`` default to the stage's own (its first gate, its default chunk);
+    FLA defaults to the softplus gate."""
     if stage_id == "fla":
         ok, why = fla_available()
         if not ok:
             raise RuntimeError(why)
         name, fwd, dev, spec = "FLA chunk_kda", fla_forward, torch.device("cuda"), None
+        gate = gate or "softplus"
         has_bwd = True if backward is None else backward
     else:
         stage = load_stage(stage_id)
@@ -100,6 +112,8 @@ def bench_stage(stage_id, shape: dict, *, gate="softplus", chunk=None, backward=
         has_bwd = spec.backward if backward is None else (backward and spec.backward)
         if spec.compute_dtype == torch.bfloat16:
             dtype = torch.bfloat16
+        gate = gate or spec.gates[0]
+        chunk = chunk or spec.default_chunk
     kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=dtype,
                      device=dev, gate=gate, chunk_size=chunk)
     row = dict(stage=name, **shape, gate=gate, chunk=chunk if chunk else (spec.default_chunk if spec else 64),

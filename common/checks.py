@@ -81,6 +81,21 @@ def tc_cases(quick: bool = False):
     return cases[:2] if quick else cases
 
 
+def cases_for(spec, device, quick: bool = False):
+    """The check cases a stage is held to on a device: bf16 stages their own
+    regime (bounded gate, chunk 16), fp32 stages the CPU or the GPU set."""
+    if spec.compute_dtype == torch.bfloat16:
+        return tc_cases(quick)
+    return cpu_cases(quick) if torch.device(device).type == "cpu" else gpu_cases(quick)
+
+
+def stage_inputs(spec, B, T, H, K, V, *, seed=0, device="cpu"):
+    """Inputs in a stage's own regime (its first gate, default chunk size and
+    compute dtype), for profiles and timings that are not about the gate."""
+    return make_inputs(B, T, H, K, V, seed=seed, device=device, dtype=spec.compute_dtype, gate=spec.gates[0],
+                       chunk_size=spec.default_chunk)
+
+
 def case_inputs(case: Case, device="cpu", dtype=torch.float32):
     return make_inputs(case.B, case.T, case.H, case.K, case.V, seed=case.seed, dtype=dtype, device=device,
                        gate=case.gate, lower_bound=case.lower_bound, h0=case.h0, chunk_size=case.chunk)

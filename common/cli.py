@@ -18,7 +18,7 @@ import torch
 
 from . import checks, report
 from .paths import REPORTS_DIR
-from .stages import STAGE_DIRS, load_stage, normalize, previous, stage_ids
+from .stages import STAGE_DIRS, load_stage, normalize, previous
 
 
 def _say(msg: str) -> None:
@@ -44,14 +44,6 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _cases_for(spec, quick):
-    if spec.compute_dtype == torch.bfloat16:
-        return checks.tc_cases(quick)
-    if "cuda" in spec.devices and "cpu" not in spec.devices:
-        return checks.gpu_cases(quick)
-    return checks.cpu_cases(quick)
-
-
 def cmd_check(args) -> int:
     sid = normalize(args.stage)
     spec, ok, why = _runnable(sid)
@@ -71,7 +63,7 @@ def cmd_check(args) -> int:
     pid = previous(sid)
     if pid is not None:
         load_stage(pid).build()
-    cases = _cases_for(spec, args.quick)
+    cases = checks.cases_for(spec, checks.stage_device(spec), args.quick)
     _say(f"checking stage {spec.name} against the fp64 reference"
          f"{' and stage ' + load_stage(pid).SPEC.name if pid else ''} on {len(cases)} cases ...")
     rows = []
@@ -152,7 +144,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="latency sweep written to a JSON results file")
     b.add_argument("--stages", required=True, help="comma-separated ids, 'fla' for FLA's chunk_kda")
     b.add_argument("--sweep", choices=("cpu", "fp32-gpu", "tc-gpu"), default="cpu")
-    b.add_argument("--gate", default="softplus", choices=("softplus", "bounded"))
+    b.add_argument("--gate", default=None, choices=("softplus", "bounded"),
+                   help="default: each stage's own first gate (softplus for FLA)")
     b.add_argument("--chunk", type=int, default=None)
     b.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
     b.add_argument("--shapes", default=None, help="comma-separated indices into the sweep (default: all)")

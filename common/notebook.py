@@ -46,8 +46,7 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
     ok, why = spec.runnable_here()
     if ok:
         dev = checks.stage_device(spec)
-        cases = (checks.cpu_cases(quick) if dev.type == "cpu" else
-                 checks.tc_cases(quick) if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases(quick))
+        cases = checks.cases_for(spec, dev, quick)
         rows = checks.check_stage(stage_id, cases)
         worst = checks.summarize(rows)
         bad = [r for r in rows if not r["ok"]]
@@ -82,7 +81,7 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         ok, why = spec.runnable_here()
         if ok:
             dev = checks.stage_device(spec)
-            kw = checks.make_inputs(**PROFILE_SHAPE[dev.type], seed=0, device=dev)
+            kw = checks.stage_inputs(spec, **PROFILE_SHAPE[dev.type], device=dev)
             profs[spec.name] = load_stage(sid).profile(**kw, backward=backward and spec.backward)
             notes.append(f"{spec.name}: live on {dev}")
         else:
@@ -126,7 +125,7 @@ def latency(stage_ids, *, y: str = "fwd", title=None):
         ok, _ = spec.runnable_here()
         if ok:
             dev = checks.stage_device(spec)
-            live_rows += _live_sweep(sid, bench.CPU_SWEEP if dev.type == "cpu" else bench.FP32_GPU_SWEEP)
+            live_rows += _live_sweep(sid, bench.sweep_for(spec, dev))
         else:
             rec_rows += [r for r in rec if r.get("stage") == spec.name]
     figs = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 
 from . import bench, checks, results
 from .paths import RESULTS_DIR
@@ -83,22 +82,20 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         if spec.regions and stage.build() is not None:
             stage.build(profile=True)
         dev = checks.stage_device(spec)
-        cases = checks.cpu_cases(quick) if dev.type == "cpu" else (
-            checks.tc_cases(quick) if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases(quick))
+        cases = checks.cases_for(spec, dev, quick)
         say(f"[tour] {spec.name}: checking on {len(cases)} cases against the fp64 reference"
             + (f" and {load_stage(previous(sid)).SPEC.name}" if previous(sid) else "") + " ...")
         rows = checks.check_stage(sid, cases)
         worst = checks.summarize(rows)
         stage_ok = all(r["ok"] for r in rows)
         all_ok &= stage_ok
-        shapes = bench.CPU_SWEEP[:3] if (quick and dev.type == "cpu") else (
-            bench.CPU_SWEEP if dev.type == "cpu" else bench.FP32_GPU_SWEEP)
+        shapes = bench.sweep_for(spec, dev, quick)
         say(f"[tour] {spec.name}: timing {len(shapes)} shapes on {dev.type} ...")
         lrows = bench.sweep([sid], shapes, budget_s=0.5 if quick else 1.0,
                             progress=lambda m: say(f"[tour]   {m}"))
         lat_rows += lrows
         pshape = PROFILE_SHAPE[dev.type]
-        kw = checks.make_inputs(**pshape, seed=0, device=dev)
+        kw = checks.stage_inputs(spec, **pshape, device=dev)
         profiles[spec.name] = stage.profile(**kw, backward=spec.backward)
         summary.append(dict(stage=spec.name, status=("ok" if stage_ok else "FAILED") + f", measured here ({dev.type})",
                             err_ref=max(r["err_ref"] for r in worst),

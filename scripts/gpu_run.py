@@ -12,7 +12,6 @@ nothing already measured. Copy what comes back into results/h200/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -54,13 +53,11 @@ def build_all(stages):
             "s.build(profile=sys.argv[2] == '1')")
     jobs = [(s, p) for s in stages for p in ("0", "1")]
     with ThreadPoolExecutor(len(jobs)) as ex:
-        rcs = list(ex.map(lambda j: sh([sys.executable, "-c", code, j[0], j[1]], 900, f"build"), jobs))
+        rcs = list(ex.map(lambda j: sh([sys.executable, "-c", code, j[0], j[1]], 900, "build"), jobs))
     return all(rc == 0 for rc in rcs)
 
 
 def record_checks(stages):
-    import torch
-
     from common import checks
     from common.results import metadata, save
     from common.stages import load_stage
@@ -68,7 +65,7 @@ def record_checks(stages):
     rows = []
     for sid in stages:
         spec = load_stage(sid).SPEC
-        cases = checks.tc_cases() if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases()
+        cases = checks.cases_for(spec, "cuda")
         t0 = time.time()
         r = checks.check_stage(sid, cases, device="cuda")
         worst = checks.summarize(r)
@@ -90,15 +87,10 @@ def record_profiles(stages):
     from common.results import metadata, save
     from common.stages import load_stage
 
-    import torch
-
     rows = []
     for sid in stages:
         stage = load_stage(sid)
-        kw = checks.make_inputs(**PROFILE_SHAPE["cuda"], seed=0, device="cuda")
-        if stage.SPEC.compute_dtype == torch.bfloat16:
-            kw = checks.make_inputs(**PROFILE_SHAPE["cuda"], seed=0, device="cuda", dtype=torch.bfloat16,
-                                    gate="bounded", chunk_size=16)
+        kw = checks.stage_inputs(stage.SPEC, **PROFILE_SHAPE["cuda"], device="cuda")
         prof = stage.profile(**kw, backward=stage.SPEC.backward)
         rows += [dict(stage=stage.SPEC.name, region=k, value=v, unit=stage.SPEC.region_unit,
                       **PROFILE_SHAPE["cuda"]) for k, v in prof.items()]

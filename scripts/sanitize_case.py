@@ -17,13 +17,11 @@ from common.stages import load_stage  # noqa: E402
 sid = sys.argv[1]
 stage = load_stage(sid)
 spec = stage.SPEC
-if spec.compute_dtype == torch.bfloat16:
-    kw = checks.make_inputs(1, 45, 2, 64, 64, seed=0, device="cuda", gate="bounded", chunk_size=16,
-                            dtype=torch.bfloat16)
-else:
-    kw = checks.make_inputs(1, 45, 2, 32, 24, seed=0, device="cuda", chunk_size=16)
+K, V = (64, 64) if spec.head_dims else (32, 24)  # the smallest head size the stage supports
+T = 150  # several chunks at any chunk size, and a tail
+kw = checks.stage_inputs(spec, 1, T, 2, K, V, device="cuda")
 res = checks.run(stage.forward, kw, "cuda", backward=spec.backward,
-                 cotangents=make_cotangents((1, 45, 2, kw["v"].shape[-1]), (1, 2, kw["k"].shape[-1],
+                 cotangents=make_cotangents((1, T, 2, kw["v"].shape[-1]), (1, 2, kw["k"].shape[-1],
                                                                                     kw["v"].shape[-1])))
 torch.cuda.synchronize()
 bad = [n for n, t in res.items() if t is not None and not torch.isfinite(t).all()]

@@ -36,17 +36,13 @@ def test_tensor_core_stage(sid, case):
 
 @pytest.mark.parametrize("sid", GPU_STAGES)
 def test_forward_bitwise_deterministic(sid):
-    spec = load_stage(sid).SPEC
-    case = checks.tc_cases()[1] if spec.compute_dtype == torch.bfloat16 else checks.gpu_cases()[5]
-    assert checks.check_deterministic(sid, case, device="cuda")
+    cases = checks.cases_for(load_stage(sid).SPEC, "cuda")
+    assert checks.check_deterministic(sid, cases[min(5, len(cases) - 1)], device="cuda")
 
 
 @pytest.mark.parametrize("sid", GPU_STAGES)
 def test_gpu_profile_regions(sid):
     stage = load_stage(sid)
-    kw = checks.make_inputs(1, 256, 2, 64, 64, seed=0, device="cuda", chunk_size=None)
-    if stage.SPEC.compute_dtype == torch.bfloat16:
-        kw = checks.make_inputs(1, 256, 2, 64, 64, seed=0, device="cuda", gate="bounded", chunk_size=16,
-                                dtype=torch.bfloat16)
+    kw = checks.stage_inputs(stage.SPEC, 1, 256, 2, 64, 64, device="cuda")
     prof = stage.profile(**kw, backward=stage.SPEC.backward)
     assert prof and all(v > 0 for v in prof.values()), prof
