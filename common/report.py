@@ -54,7 +54,7 @@ def recorded_rows(stage_name: str) -> list[tuple[dict, list]]:
 def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bool = False) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary, lat_rows, profiles, md, all_ok = [], [], {}, [], True
+    summary, lat_rows, profiles, units, md, all_ok = [], [], {}, {}, [], True
     meta = results.metadata(command="kdalab tour" + (" --quick" if quick else "") + (" --record" if record else ""))
     md.append(f"# KDA Lab tour\n\n{meta['device']}, {meta['date']}, commit {meta['commit']}, "
               f"torch {meta['torch']}.\n")
@@ -97,6 +97,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         pshape = PROFILE_SHAPE[dev.type]
         kw = checks.stage_inputs(spec, **pshape, device=dev)
         profiles[spec.name] = stage.profile(**kw, backward=spec.backward)
+        units[spec.name] = spec.region_unit
         summary.append(dict(stage=spec.name, status=("ok" if stage_ok else "FAILED") + f", measured here ({dev.type})",
                             err_ref=max(r["err_ref"] for r in worst),
                             err_prev=max((r["err_prev"] for r in worst if r["err_prev"] is not None), default=None),
@@ -113,8 +114,8 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
                           ylabel="ms")
         ax.figure.savefig(out_dir / "latency.png", dpi=110)
         md.append("## Latency\n\n![latency](latency.png)\n\n" + latency_table(lat_rows))
-    for unit in {load_stage(s).SPEC.region_unit for s in stage_ids if load_stage_safe(s)}:
-        profs = {k: v for k, v in profiles.items() if _unit_of(k) == unit}
+    for unit in sorted(set(units.values())):
+        profs = {k: v for k, v in profiles.items() if units[k] == unit}
         if profs:
             ax = plot_profile(profs, unit, title=f"Where the time goes ({unit})")
             name = f"profile_{'cpu' if unit == 's' else 'gpu'}.png"
@@ -158,20 +159,6 @@ def shape_label_safe(r) -> str:
         return bench.shape_label(r)
     except KeyError:
         return "-"
-
-
-def load_stage_safe(sid):
-    try:
-        return load_stage(sid)
-    except FileNotFoundError:
-        return None
-
-
-def _unit_of(stage_name):
-    for sid, d in STAGE_DIRS.items():
-        if d == stage_name:
-            return load_stage(sid).SPEC.region_unit
-    return None
 
 
 def results_markdown() -> str:
