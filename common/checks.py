@@ -77,8 +77,18 @@ def tc_cases(quick: bool = False):
         Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, h0=False, seed=22),
         Case(1, 1000, 2, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=23),
         Case(2, 64, 80, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, seed=24),
+        Case(4, 130, 64, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, h0=False, seed=25),
     ]
     return cases[:2] if quick else cases
+
+
+def fla_cases():
+    """Shapes on which the tensor-core stages are compared with FLA's chunk_kda
+    (safe gate, lower_bound -5): K = 128 and 64, a tail chunk, h0 present."""
+    return [
+        Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=31),
+        Case(1, 300, 4, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0, seed=32),
+    ]
 
 
 def cases_for(spec, device, quick: bool = False):
@@ -225,6 +235,34 @@ def check_case(stage_id, case: Case, *, device=None, backward=None, against_prev
         ok = r <= tol and (p is None or p <= tol)
         rows.append(dict(stage=spec.name, case=case.id, output=name, err_ref=r, err_prev=p,
                          prev=(load_stage(pid).SPEC.name if pid else None), tol=tol, ok=ok))
+    return rows
+
+
+def check_against_fla(stage_id, case: Case) -> list[dict]:
+    """o and the final state of a stage against FLA's chunk_kda on the same bf16
+    inputs (GPU, fla-core installed). err_ref is FLA's own error against the
+    fp64 reference and must be within the bf16 tolerance too. Both sides carry
+    their own bf16 roundings (o is rounded to bf16 by each), so the two are held
+    to the sum of their bounds: |stage - FLA| <= |stage - ref| + |ref - FLA|,
+    2 x the bf16 tolerance. (Measured on the H200: 5.7e-3, with 4.2e-3 between
+    FLA and fp64 and 4.0e-3 between the stages and fp64.)"""
+    from .fla_ref import fla_available, fla_forward
+
+    ok, why = fla_available()
+    if not ok:
+        raise RuntimeError(why)
+    stage = load_stage(stage_id)
+    spec = stage.SPEC
+    inp = case_inputs(case, "cpu", spec.compute_dtype)
+    got = run(stage.forward, inp, "cuda", backward=False)
+    fla = run(fla_forward, inp, "cuda", backward=False)
+    ref = run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
+    tol = tolerance(precision(spec))
+    rows = []
+    for name in ("o", "S"):
+        e, f = rel_err(got[name], fla[name]), rel_err(fla[name], ref[name])
+        rows.append(dict(stage=spec.name, case=case.id, output=f"{name} vs FLA", err_ref=f, err_prev=e,
+                         prev="FLA chunk_kda", tol=2 * tol, ok=e <= 2 * tol and f <= tol))
     return rows
 
 

@@ -57,7 +57,9 @@ def build_all(stages):
     return all(rc == 0 for rc in rcs)
 
 
-def record_checks(stages):
+def record_checks(stages, fla=False):
+    import torch
+
     from common import checks
     from common.results import metadata, save
     from common.stages import load_stage
@@ -78,6 +80,11 @@ def record_checks(stages):
             f"({time.time() - t0:.0f} s)")
         for x in bad[:20]:
             log(f"   FAIL {x['case']} {x['output']} err_ref={x['err_ref']:.3e} err_prev={x['err_prev']}")
+        if spec.compute_dtype == torch.bfloat16 and fla:
+            frows = [r for case in checks.fla_cases() for r in checks.check_against_fla(sid, case)]
+            rows += checks.summarize(frows)
+            log(f"checks {spec.name} against FLA: " + ", ".join(
+                f"{r['case']} {r['output']} {r['err_prev']:.2e} (FLA vs fp64 {r['err_ref']:.2e})" for r in frows))
         save(OUT / "checks.json", rows, metadata(command="python scripts/gpu_run.py (checks)"))
 
 
@@ -127,6 +134,7 @@ def main():
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmarks")
     p.add_argument("--bench-timeout", type=int, default=420)
+    p.add_argument("--shapes", default=None, help="bench only these sweep rows (kdalab bench --shapes)")
     args = p.parse_args()
     stages = args.stages.split(",")
     phases = args.phases.split(",")
@@ -144,11 +152,12 @@ def main():
         log("BUILD FAILED: see build.txt")
         return 1
     if "tests" in phases:
+        os.environ["KDALAB_STAGES"] = ",".join(stages)
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
             "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_contract.py"],
            900, "pytest")
     if "checks" in phases:
-        record_checks(stages)
+        record_checks(stages, fla=args.fla)
     if "profiles" in phases:
         record_profiles(stages)
     if "sanitize" in phases:
@@ -162,7 +171,8 @@ def main():
             "--out", str(OUT / "fp32_fla.json"), "--budget", "0.5"], args.bench_timeout, "bench")
     if "bench-tc" in phases and tc:
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(tc + fla), "--sweep", "tc-gpu",
-            "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"],
+            "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"]
+           + (["--shapes", args.shapes] if args.shapes else []),
            args.bench_timeout, "bench")
     log("done")
     return 0

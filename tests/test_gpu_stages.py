@@ -4,13 +4,17 @@ reference and the previous stage, forward and all gradients, on shapes with
 K != V, T not a multiple of the chunk, B*H above the SM count, h0 absent;
 outputs poisoned; two forward runs bitwise identical."""
 
+import os
+
 import pytest
 import torch
 
 from common import checks
 from common.stages import load_stage, stage_ids
 
-GPU_STAGES = [s for s in stage_ids() if load_stage(s).SPEC.devices == ("cuda",)]
+# KDALAB_STAGES=05,06 limits the run to some stages (a student re-checking one stage).
+_ONLY = [s for s in os.environ.get("KDALAB_STAGES", "").split(",") if s]
+GPU_STAGES = [s for s in stage_ids() if load_stage(s).SPEC.devices == ("cuda",) and (not _ONLY or s in _ONLY)]
 FP32 = [s for s in GPU_STAGES if load_stage(s).SPEC.compute_dtype == torch.float32]
 TC = [s for s in GPU_STAGES if load_stage(s).SPEC.compute_dtype == torch.bfloat16]
 
@@ -46,3 +50,36 @@ def test_gpu_profile_regions(sid):
     kw = checks.stage_inputs(stage.SPEC, 1, 256, 2, 64, 64, device="cuda")
     prof = stage.profile(**kw, backward=stage.SPEC.backward)
     assert prof and all(v > 0 for v in prof.values()), prof
+
+
+@pytest.mark.parametrize("sid", TC)
+@pytest.mark.parametrize("case", checks.fla_cases(), ids=lambda c: c.id)
+def test_tensor_core_stage_against_fla(sid, case):
+    from common.fla_ref import fla_available
+
+    ok, why = fla_available()
+    if not ok:
+        pytest.skip(why)
+    rows = checks.check_against_fla(sid, case)
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, checks.format_rows(bad)
+
+
+MOVM = [s for s in TC if hasattr(load_stage(s), "frag_check")]
+
+
+@pytest.mark.parametrize("sid", MOVM)
+@pytest.mark.parametrize("kd", [16, 64, 128])
+def test_movmatrix_fragment_identity(sid, kd):
+    """gemm(A, movm(X held as an accumulator)) == A @ X, not A @ X^T: X is not
+    symmetric, so a transposed or misplaced fragment shows up at once."""
+    gen = torch.Generator().manual_seed(kd)
+    A = torch.randn(16, kd, generator=gen).to("cuda", torch.bfloat16)
+    X = torch.randn(kd, 16, generator=gen).to("cuda")
+    out = load_stage(sid).frag_check(A, X)
+    want = A.double() @ X.to(torch.bfloat16).double()
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < 1e-6, err
+    if kd == 16:  # and it is not A @ X^T
+        wrong = A.double() @ X.to(torch.bfloat16).double().t()
+        assert ((out.double() - wrong).norm() / wrong.norm()).item() > 0.1
