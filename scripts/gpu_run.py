@@ -134,6 +134,7 @@ def main():
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmarks")
     p.add_argument("--bench-timeout", type=int, default=420)
+    p.add_argument("--pytest-k", default=None, help="pytest -k expression for the tests phase")
     p.add_argument("--shapes", default=None, help="bench only these sweep rows (kdalab bench --shapes)")
     args = p.parse_args()
     stages = args.stages.split(",")
@@ -154,7 +155,8 @@ def main():
     if "tests" in phases:
         os.environ["KDALAB_STAGES"] = ",".join(stages)
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
-            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_contract.py"],
+            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_contract.py"]
+           + (["-k", args.pytest_k] if args.pytest_k else []),
            900, "pytest")
     if "checks" in phases:
         record_checks(stages, fla=args.fla)

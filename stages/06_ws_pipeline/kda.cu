@@ -164,10 +164,14 @@ __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
 // included); bar.arrive counts the calling thread and goes on at once. Both
 // order the calling thread's earlier memory accesses before the barrier for
 // every thread that waits on it.
+// The barriers count whole warps (.aligned): the __syncwarp first makes sure all
+// 32 lanes arrive together, each with its earlier shared-memory accesses done.
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
+  __syncwarp();
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  __syncwarp();
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
