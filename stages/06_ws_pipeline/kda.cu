@@ -11,11 +11,12 @@
 //     work on chunk n:
 //
 //        load warp     | wait n+1 landed, arrive FULL[n+1] | sync EMPTY[n] | issue n+kStages ...
-//        compute warps | sync FULL[n] | w@S, qd@S, vcorr, Aqk@vcorr, S update | arrive EMPTY[n] | ...
+//        compute warps | sync FULL[n] | w@S, qd@S, vcorr, Aqk@vcorr, S update | sync EMPTY[n] | ...
 //
 //     FULL[s] and EMPTY[s] are NAMED BARRIERS (bar.sync / bar.arrive with an id
-//     and a thread count): the side that waits calls bar.sync, the side that
-//     signals calls bar.arrive and goes on without waiting. Block-wide
+//     and a thread count). FULL: the load warp signals with bar.arrive and goes on
+//     without waiting, the compute warps wait with bar.sync. EMPTY: all meet with
+//     bar.sync (the load warp is already waiting there). Block-wide
 //     __syncthreads is gone from the loop, so the load warp never waits on the
 //     compute warps' internal steps and vice versa.
 //
@@ -472,7 +473,7 @@ struct K2Smem {
 };
 
 // Named barrier ids: FULL[s] = 1 + s (the load warp arrives, compute warps wait),
-// EMPTY[s] = 1 + kStages + s (compute warps arrive, the load warp waits).
+// EMPTY[s] = 1 + kStages + s (compute warps and the load warp meet: slot s is free).
 constexpr int kBarBase = 1;
 
 // ---------------------------------------------------------------------------
@@ -642,8 +643,11 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     mma_smem(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), sVcB, rS);
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
 
-    // every read of slot s is done: hand it back to the load warp (for chunk n + kStages)
-    if (n + kStages < NT) named_bar_arrive(kBarBase + kStages + s, kBarThreads);
+    // every read of slot s is done: hand it back to the load warp (for chunk n + kStages).
+    // bar.sync, not bar.arrive: the load warp is normally waiting here already (it
+    // published chunk n + 1 first), so this costs nothing, and compute-sanitizer's
+    // racecheck then sees the reads ordered before the refill's cp.async writes.
+    if (n + kStages < NT) named_bar_sync(kBarBase + kStages + s, kBarThreads);
     __syncwarp();  // all lanes' reads of Sb and vc for this chunk are done
     CUTE_UNROLL
     for (int e = 0; e < size(rS); ++e) tCsSb(e) = bf16(rS(e));

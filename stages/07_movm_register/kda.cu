@@ -510,7 +510,7 @@ struct K2Smem {
 };
 
 // Named barrier ids: FULL[s] = 1 + s (the load warp arrives, compute warps wait),
-// EMPTY[s] = 1 + kStages + s (compute warps arrive, the load warp waits).
+// EMPTY[s] = 1 + kStages + s (compute warps and the load warp meet: slot s is free).
 constexpr int kBarBase = 1;
 
 // ---------------------------------------------------------------------------
@@ -675,8 +675,11 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     mma_smem_reg(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), rVc, rS);
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
 
-    // every read of slot s is done: hand it back to the load warp (for chunk n + kStages)
-    if (n + kStages < NT) named_bar_arrive(kBarBase + kStages + s, kBarThreads);
+    // every read of slot s is done: hand it back to the load warp (for chunk n + kStages).
+    // bar.sync, not bar.arrive: the load warp is normally waiting here already (it
+    // published chunk n + 1 first), so this costs nothing, and compute-sanitizer's
+    // racecheck then sees the reads ordered before the refill's cp.async writes.
+    if (n + kStages < NT) named_bar_sync(kBarBase + kStages + s, kBarThreads);
     c_to_b(rS, rSb);  // the new state as next chunk's B operand (movmatrix, no shared memory)
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_SCOPY, tp);
   }
