@@ -10,15 +10,17 @@
 //     kStages shared-memory slots with 16-byte cp.async while the compute warps
 //     work on chunk n:
 //
-//        load warp     | wait n+1 landed, arrive FULL[n+1] | sync EMPTY[n] | issue n+kStages ...
-//        compute warps | sync FULL[n] | w@S, qd@S, vcorr, Aqk@vcorr, S update | sync EMPTY[n] | ...
+//        load warp     | wait EMPTY[m-S] | issue chunk m (cp.async) | wait EMPTY | issue m+1 ...
+//        compute warps | wait FULL[n] | w@S, qd@S, vcorr, Aqk@vcorr, S update | arrive EMPTY[n] | ...
 //
-//     FULL[s] and EMPTY[s] are NAMED BARRIERS (bar.sync / bar.arrive with an id
-//     and a thread count). FULL: the load warp signals with bar.arrive and goes on
-//     without waiting, the compute warps wait with bar.sync. EMPTY: all meet with
-//     bar.sync (the load warp is already waiting there). Block-wide
-//     __syncthreads is gone from the loop, so the load warp never waits on the
-//     compute warps' internal steps and vice versa.
+//     FULL[s] and EMPTY[s] are MBARRIERS (shared-memory barrier objects that
+//     count arrivals and flip a phase bit). Each load-warp lane hands its copies
+//     to the hardware with cp.async.mbarrier.arrive, which arrives on FULL[s]
+//     when they have landed, so the load warp itself never waits for data; it
+//     only waits on EMPTY[s] before it refills a slot. The compute warps wait on
+//     FULL[s] and arrive on EMPTY[s] when they are done with it. Block-wide
+//     __syncthreads is gone from the loop: nobody waits on anybody's internal
+//     steps, only on the slot they need.
 //
 //   * Each compute warp OWNS 16 value columns for the whole kernel. Column vd of
 //     the state only meets column vd of u, vcorr and o, so the four products of
@@ -160,26 +162,39 @@ __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   *reinterpret_cast<Vec*>(dst) = x;
 }
 
-// Named barriers (ids 1..15; id 0 is __syncthreads). `count` threads, a multiple
-// of 32, take part. bar.sync waits until `count` threads have arrived (itself
-// included); bar.arrive counts the calling thread and goes on at once. Both
-// order the calling thread's earlier memory accesses before the barrier for
-// every thread that waits on it.
-// The barriers count whole warps (.aligned): the __syncwarp first makes sure all
-// 32 lanes arrive together, each with its earlier shared-memory accesses done.
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-  __syncwarp();
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+// mbarriers: 64-bit objects in shared memory that count arrivals and flip a
+// phase bit each time the expected count is reached. A thread waits for a phase
+// with its parity (0, 1, 0, ... for the 1st, 2nd, 3rd completion). Arrivals have
+// release and the wait has acquire semantics, so what a thread wrote (or read)
+// before arriving is ordered before what the waiter does next. SM80 instructions.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  __syncwarp();
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n\t.reg .b64 state;\n\tmbarrier.arrive.shared::cta.b64 state, [%0];\n\t}\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+// The arrival of this thread, made by the hardware once all of its earlier
+// cp.async copies have landed (.noinc: it counts toward the init count).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT:\n\tmbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "\t@!done bra WAIT;\n\t}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
 }
 
 // Asynchronous copy of a [ROWS, COLS] tile from global (rows SRC_LD elements
 // apart) into shared memory (rows DST_LD apart) by ONE WARP: 16-byte cp.async
-// per lane and step, no registers in between. Completion is tracked per thread
-// by cp.async groups (cp_async_fence / cp_async_wait<N>).
+// per lane and step, no registers in between. Completion is signalled through
+// an mbarrier (mbar_arrive_on_copies).
 template <int ROWS, int COLS, int DST_LD, int SRC_LD, class T>
 __device__ __forceinline__ void async_tile(T* dst, const T* src, int lane) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
@@ -470,11 +485,9 @@ struct K2Smem {
                                            //   B operand (vd, d) of w @ S and qd @ S
   alignas(16) bf16 vc[NCW][VW][BT + kPad]; // per compute warp: vcorr^T, vc[vd][c];
                                            //   B (vd, c) of Aqk @ vcorr and kr^T @ vcorr
+  uint64_t full[kStagesFor<K>];   // slot s holds its chunk: 32 load-warp lanes arrive (on copy completion)
+  uint64_t empty[kStagesFor<K>];  // slot s is free again: 32 * NCW compute lanes arrive
 };
-
-// Named barrier ids: FULL[s] = 1 + s (the load warp arrives, compute warps wait),
-// EMPTY[s] = 1 + kStages + s (compute warps and the load warp meet: slot s is free).
-constexpr int kBarBase = 1;
 
 // ---------------------------------------------------------------------------
 // kda_recurrence_kernel -- the serial chain over chunks for one (b, h) and the
@@ -495,9 +508,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
   constexpr int VC = VW * NCW;               // value columns per block
   constexpr int NS = V / VC;                 // column slices per head
   constexpr int kStages = kStagesFor<K>;
-  constexpr int kBarThreads = 32 * (NCW + 1);  // every warp of the block takes part in FULL / EMPTY
   static_assert(K % 16 == 0 && V % VC == 0, "K multiple of 16, V multiple of 16 * NCW");
-  static_assert(kBarBase + 2 * kStages <= 16, "named barrier ids 1..15");
   extern __shared__ __align__(16) unsigned char kda_smem[];
   K2Smem<K, NCW>& sm = *reinterpret_cast<K2Smem<K, NCW>*>(kda_smem);
 
@@ -505,6 +516,13 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
   const int bh = (int)(blockIdx.x / NS), col0 = (int)(blockIdx.x % NS) * VC;
   const int b = bh / p.H, h = bh % p.H;
   const int NT = p.NT;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sm.full[s], 32);
+      mbar_init(&sm.empty[s], 32 * NCW);
+    }
+  }
+  __syncthreads();  // the barriers exist before any warp uses them (the only block-wide barrier)
   KDA_PROF_START(tp);
 
   if (warp == NCW) {
@@ -524,32 +542,20 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
       async_tile<BT, VC, VC, V>(&st.u[0][0], p.u + chunk * BT * V + col0, lane);
       async_tile<1, K, K, K>(&st.el[0], p.el + chunk * K, lane);
     };
-    // One cp.async group per chunk (an empty group past the last chunk keeps the
-    // count regular): before iteration n the groups of chunks n .. n + kStages - 2
-    // are in flight, chunk n the oldest.
-    for (int m = 0; m < kStages - 1; ++m) {
-      if (m < NT) issue(m);
-      cp_async_fence();
-    }
-    if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
-    for (int n = 0; n < NT; ++n) {
-      // publish chunk n as soon as it has landed (all but the kStages - 2 newest groups)
-      cp_async_wait<kStages - 2>();
-      named_bar_arrive(kBarBase + n % kStages, kBarThreads);
-      if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_DATA, tp);
-      // refill: chunk m = n + kStages - 1 goes to the slot chunk n - 1 held; wait until
-      // every compute warp released it (they are on chunk n by now, so this rarely waits
-      // long, and chunk n was published first: the compute warps never wait for it)
-      const int m = n + kStages - 1;
-      if (m < NT) {
-        if (n >= 1) named_bar_sync(kBarBase + kStages + m % kStages, kBarThreads);
-        if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-        issue(m);
-      }
-      cp_async_fence();
+    // Chunk m goes to slot m % kStages; that slot's (m / kStages)-th use. Before
+    // refilling it, wait until the compute warps released chunk m - kStages (the
+    // (m / kStages - 1)-th completion of EMPTY). The load warp never waits for its
+    // own copies: each lane's arrival on FULL is made by the hardware once that
+    // lane's copies have landed, so the warp runs ahead until the ring is full.
+    for (int m = 0; m < NT; ++m) {
+      const int s = m % kStages;
+      if (m >= kStages) mbar_wait(&sm.empty[s], (m / kStages - 1) & 1);
+      if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
+      issue(m);
+      mbar_arrive_on_copies(&sm.full[s]);
       if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
     }
-    cp_async_wait<0>();  // (nothing is left in flight; empty groups only)
+    cp_async_wait<0>();  // do not leave the kernel with copies in flight
     return;
   }
 
@@ -599,7 +605,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     const int s = n % kStages;
     K2Slot<K, NCW>& st = sm.slot[s];
     const int t0 = n * BT;
-    named_bar_sync(kBarBase + s, kBarThreads);  // chunk n is in slot s
+    mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_WAIT, tp);
 
     // ---- w @ S and qd @ S   (two C tiles (BT, VW); both read only S, so their MMAs
@@ -643,11 +649,9 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     mma_smem(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), sVcB, rS);
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
 
-    // every read of slot s is done: hand it back to the load warp (for chunk n + kStages).
-    // bar.sync, not bar.arrive: the load warp is normally waiting here already (it
-    // published chunk n + 1 first), so this costs nothing, and compute-sanitizer's
-    // racecheck then sees the reads ordered before the refill's cp.async writes.
-    if (n + kStages < NT) named_bar_sync(kBarBase + kStages + s, kBarThreads);
+    // every read of slot s is done: hand it back to the load warp (for chunk n + kStages;
+    // after the last chunks nobody waits, and the arrival is harmless)
+    mbar_arrive(&sm.empty[s]);
     __syncwarp();  // all lanes' reads of Sb and vc for this chunk are done
     CUTE_UNROLL
     for (int e = 0; e < size(rS); ++e) tCsSb(e) = bf16(rS(e));

@@ -32,11 +32,11 @@ SPEC = StageSpec(
     compute_dtype=torch.bfloat16,
     backward=False,
     regions=(
-        # ids 0-15, in the order of the KdaRegion enum in kda.h
+        # ids 0-14, in the order of the KdaRegion enum in kda.h
         "K1: load+pre-stage", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store",
         "K2: wait for operands", "K2: w@S", "K2: qd@S", "K2: vcorr", "K2: Aqk@vcorr", "K2: o store",
         "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
-        "K2 load warp: wait for a free slot", "K2 load warp: issue cp.async", "K2 load warp: wait for data",
+        "K2 load warp: wait for a free slot", "K2 load warp: issue cp.async",
     ),
     region_unit="cycles",
     extra={"cutlass": True, "min_sm": 80},
