@@ -120,6 +120,8 @@ def cmd_results(args) -> int:
 
         changed = report.update_readme(REPO_ROOT / "README.md")
         _say("README.md results block " + ("updated" if changed else "already up to date"))
+        for p in report.write_figures(REPO_ROOT):
+            _say(f"wrote {p.relative_to(REPO_ROOT)}")
         return 0
     _say(report.results_markdown())
     return 0

@@ -97,6 +97,7 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         print("recorded: " + results.label(meta))
     if not profs:
         return None
+    profs = split_parallel(profs)
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(4.5 + 2.6 * len(profs), 4.2))
@@ -106,6 +107,20 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
     plot_profile(profs, unit, title="Share of each region", ax=a2, normalize=True)
     fig.tight_layout()
     return a1
+
+
+def split_parallel(profs: dict) -> dict:
+    """A warp-specialised kernel has two timelines in one block: the compute
+    warps' and the load warp's (regions named "... load warp: ..."). Stacking
+    them would add up time that overlaps, so the load warp gets its own bar."""
+    out = {}
+    for label, prof in profs.items():
+        main = {k: v for k, v in prof.items() if "load warp" not in k}
+        side = {k: v for k, v in prof.items() if "load warp" in k}
+        out[label] = main
+        if side:
+            out[f"{label}\n(load warp)"] = side
+    return out
 
 
 def latency(stage_ids, *, y: str = "fwd", title=None):
@@ -151,12 +166,15 @@ def latency(stage_ids, *, y: str = "fwd", title=None):
 _LIVE: dict = {}
 
 
-def _live_sweep(sid, shapes):
+def _live_sweep(sid, shapes, tc: bool = False):
     """A live latency sweep, measured once per notebook session and reused.
-    FLA is timed forward only: its fp32 backward autotunes for many minutes."""
-    key = (sid, tuple(tuple(sorted(x.items())) for x in shapes))
+    FLA is timed forward only: its fp32 backward autotunes for many minutes.
+    ``tc``: the tensor-core regime (bf16 inputs, bounded gate, chunk 16, forward)."""
+    key = (sid, tc, tuple(tuple(sorted(x.items())) for x in shapes))
     if key not in _LIVE:
-        _LIVE[key] = bench.sweep([sid], shapes, budget_s=0.3, backward=False if sid == "fla" else None)
+        kw = dict(dtype=torch.bfloat16, gate="bounded", chunk=16, backward=False) if tc else \
+            dict(backward=False if sid == "fla" else None)
+        _LIVE[key] = bench.sweep([sid], shapes, budget_s=0.3, **kw)
     return [dict(r) for r in _LIVE[key]]
 
 
@@ -205,20 +223,35 @@ def _anchor_rows():
 
 
 def tc_latency(stage_ids=("05",)):
-    """Tensor-core stages against FLA and FlashKDA at the six H200 shapes:
-    recorded stage figures, anchors for the references. GPU time (graph replay)
-    where recorded, else eager."""
+    """Tensor-core stages against FLA and FlashKDA at the six H200 shapes, GPU
+    time (graph replay) where measured, else eager. On a GPU the stages (and
+    FLA, when fla-core is installed) are measured live; otherwise the recorded
+    figures are shown: the stages and FLA as measured on one H200 lease, and
+    FlashKDA (not installable here) from results/anchors/."""
     meta, rec = _recorded("tc_stages")
-    names = [load_stage(s).SPEC.name for s in stage_ids]
-    rows = [r for r in rec if r.get("stage") in names] + _anchor_rows()
+    rows, where = [], "recorded"
+    if torch.cuda.is_available():
+        where = "measured live"
+        for sid in stage_ids:
+            rows += _live_sweep(sid, bench.TC_GPU_SHAPES, tc=True)
+        if fla_available()[0]:
+            rows += _live_sweep("fla", bench.TC_GPU_SHAPES, tc=True)
+    else:
+        names = [load_stage(s).SPEC.name for s in stage_ids] + ["FLA chunk_kda"]
+        rows = [dict(r) for r in rec if r.get("stage") in names]
+    for r in rows:
+        if r["stage"] == "FLA chunk_kda":
+            r["stage"] = "FLA chunk_kda (safe gate, bf16)"
+    measured_fla = {bench.shape_label(r) for r in rows if r["stage"].startswith("FLA")}
+    rows += [r for r in _anchor_rows() if not (r["stage"].startswith("FLA") and bench.shape_label(r) in measured_fla)]
     for r in rows:
         r["shape"] = bench.shape_label(r)
         r["ms"] = r.get("fwd_graph_ms") if r.get("fwd_graph_ms") is not None else r.get("fwd_ms")
-    if meta is not None:
+    if where == "recorded" and meta is not None:
         print("recorded: " + results.label(meta))
-    print("anchors: FLA / FlashKDA measured on the same H200 (results/anchors/, 2026-11-29)")
-    ax = plot_bars(rows, x="shape", y="ms", by="stage", title="Forward latency on the H200 (GPU time, ms)",
-                   ylabel="ms")
+    print("FlashKDA (and FLA where not measured): anchors measured on the same H200 (results/anchors/, 2026-11-29)")
+    ax = plot_bars(rows, x="shape", y="ms", by="stage",
+                   title=f"Forward latency on the H200 (GPU time, ms; {where})", ylabel="ms")
     df = pd.DataFrame(rows)
     return ax, df.pivot_table(index="shape", columns="stage", values="ms", sort=False)
 
@@ -232,11 +265,14 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
         for r in rec:
             if all(r.get(k) == v for k, v in shape.items()):
                 ms = r.get("fwd_graph_ms") if r.get("fwd_graph_ms") is not None else r.get("fwd_ms")
-                label = r["stage"] + (" (fp32, softplus)" if r["stage"].startswith("FLA") else "")
+                kind = " (fp32, softplus)" if name == "fp32_stages" else " (bf16, safe gate)"
+                label = r["stage"] + (kind if r["stage"].startswith("FLA") else "")
                 rows.append(dict(stage=label, fwd_ms=ms, bwd_ms=r.get("bwd_graph_ms") or r.get("bwd_ms"),
                                  note=r.get("error") or r.get("note") or ""))
+    have_fla = any("bf16, safe gate" in r["stage"] for r in rows)
     rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor")
-             for r in _anchor_rows() if all(r.get(k) == v for k, v in shape.items())]
+             for r in _anchor_rows() if all(r.get(k) == v for k, v in shape.items())
+             and not (have_fla and r["stage"].startswith("FLA"))]
     order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
     rows.sort(key=lambda r: order.get(r["stage"], 100))
     df = pd.DataFrame(rows)

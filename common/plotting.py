@@ -112,3 +112,46 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.figure.tight_layout()
     return ax
+
+
+def fragment_owner(layout: str, row: int, col: int) -> int:
+    """The lane of a warp that holds element (row, col) of a 16x16 tile in an
+    SM80 m16n8k16 fragment: layout "C" (accumulator, row = m, col = n) or "B"
+    (B operand, row = k, col = n). Lane = 4 g + t with g = lane / 4, t = lane % 4:
+    C puts rows on g and column pairs on t, B puts columns on g and row pairs on t."""
+    if layout == "C":
+        return 4 * (row % 8) + (col % 8) // 2
+    if layout == "B":
+        return 4 * (col % 8) + (row % 8) // 2
+    raise ValueError(f"layout must be 'C' or 'B', got {layout!r}")
+
+
+def plot_fragments(ax=None):
+    """Two 16x16 maps of lane ownership: a matrix X held as an MMA accumulator
+    (C) and the same X as the B operand of A @ X. Each cell shows the lane that
+    holds that element; equal lanes have equal colours. The B map is the C map
+    transposed, which is what movmatrix (an 8x8 transpose across the warp)
+    repairs."""
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(1, 2, figsize=(11, 5.4))
+    cmap = plt.get_cmap("hsv")
+    for a, layout, title in ((ax[0], "C", "X as accumulator (C): lane holding X[m, n]"),
+                             (ax[1], "B", "X as B operand: lane that must hold X[k, n]")):
+        own = np.array([[fragment_owner(layout, r, c) for c in range(16)] for r in range(16)])
+        a.imshow(own, cmap=cmap, vmin=0, vmax=32, alpha=0.55)
+        for r in range(16):
+            for c in range(16):
+                a.text(c, r, str(own[r, c]), ha="center", va="center", fontsize=6)
+        a.set_xticks(range(16))
+        a.set_yticks(range(16))
+        a.tick_params(labelsize=6)
+        a.set_xlabel("n (column)")
+        a.set_ylabel("m (row)" if layout == "C" else "k (row)")
+        a.set_title(title, fontsize=9)
+        for v in (7.5,):
+            a.axhline(v, color="k", lw=1)
+            a.axvline(v, color="k", lw=1)
+    ax[0].figure.tight_layout()
+    return ax

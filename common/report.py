@@ -181,6 +181,33 @@ def readme_block() -> str:
     return f"{README_START}\n{results_markdown()}\n{README_END}"
 
 
+README_FIGURES = {"ladder": "docs/ladder.png", "tensor-core shapes": "docs/tc_latency.png"}
+
+
+def write_figures(root) -> list:
+    """The README's figures, drawn from the recorded results (no GPU needed):
+    the ladder at the seed's shape and the tensor-core stages against FLA and
+    FlashKDA at the six H200 shapes."""
+    from pathlib import Path as _P
+
+    import matplotlib.pyplot as plt
+
+    from . import notebook
+
+    out = []
+    ax, _ = notebook.ladder()
+    path = _P(root) / README_FIGURES["ladder"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ax.figure.savefig(path, dpi=110)
+    out.append(path)
+    ax, _ = notebook.tc_latency(["05", "06", "07"])
+    path = _P(root) / README_FIGURES["tensor-core shapes"]
+    ax.figure.savefig(path, dpi=110)
+    out.append(path)
+    plt.close("all")
+    return out
+
+
 def update_readme(path) -> bool:
     """Rewrite the results block of README.md from results/. Returns True if it changed."""
     from pathlib import Path as _P

@@ -13,3 +13,12 @@ def test_readme_names_the_commands():
     text = (REPO_ROOT / "README.md").read_text()
     for cmd in ("pip install -e '.[dev]'", "pytest", "kdalab tour", "kdalab check 01"):
         assert cmd in text
+
+
+def test_readme_shows_the_recorded_figures():
+    from common.report import README_FIGURES
+
+    text = (REPO_ROOT / "README.md").read_text()
+    for path in README_FIGURES.values():
+        assert path in text, f"README does not show {path}"
+        assert (REPO_ROOT / path).exists(), f"{path} missing: run `kdalab results --write-readme`"
