@@ -5,6 +5,7 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 
 from common import build, plotting, results, timing
@@ -68,3 +69,41 @@ def test_rel_err_rejects_nan_and_shape_mismatch():
     assert rel_err(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
     with pytest.raises(ValueError):
         rel_err(torch.zeros(2), torch.zeros(3))
+
+
+def test_fragment_maps_are_transposes():
+    """The picture of notebook 07: the B-operand lane map is the accumulator map transposed."""
+    from common.plotting import fragment_owner
+
+    for r in range(16):
+        for c in range(16):
+            assert fragment_owner("B", r, c) == fragment_owner("C", c, r)
+    # every lane holds 8 elements of a 16x16 tile in either layout
+    for layout in ("C", "B"):
+        counts = [0] * 32
+        for r in range(16):
+            for c in range(16):
+                counts[fragment_owner(layout, r, c)] += 1
+        assert counts == [8] * 32
+    with pytest.raises(ValueError, match="layout"):
+        fragment_owner("A", 0, 0)
+
+
+def test_frag_check_rejects_bad_arguments_before_any_kernel():
+    import torch
+
+    from common.stages import load_stage
+
+    stage = load_stage("07")
+    with pytest.raises(ValueError, match="CUDA"):
+        stage.frag_check(torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(16, 16))
+    with pytest.raises(TypeError, match="torch tensors"):
+        stage.frag_check([[0.0]], torch.zeros(16, 16))
+
+
+def test_split_parallel_gives_the_load_warp_its_own_bar():
+    from common.notebook import split_parallel
+
+    out = split_parallel({"06": {"K2: w@S": 3.0, "K2 load warp: issue cp.async": 2.0}, "05": {"K2: w@S": 5.0}})
+    assert out == {"06": {"K2: w@S": 3.0}, "06\n(load warp)": {"K2 load warp: issue cp.async": 2.0},
+                   "05": {"K2: w@S": 5.0}}
