@@ -1,7 +1,7 @@
 """One GPU session: build the CUDA stages, run the GPU tests, compute-sanitizer,
 record checks, profiles and latencies as JSON under $OUT.
 
-    python scripts/gpu_run.py --stages 02,03,04 [--skip bench,sanitize,...] [--fla]
+    python scripts/gpu_run.py --stages 05,06,07 [--phases build,tests,checks,...] [--fla]
 
 Meant for the lent H200 (no network: extra wheels travel in .whl/ and are
 installed to /tmp/site by scripts/gpu_run.sh). Every step has its own timeout
@@ -130,7 +130,7 @@ PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "ben
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--stages", default="02,03,04,05")
+    p.add_argument("--stages", default="02,03,04,05,06,07")
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmarks")
     p.add_argument("--bench-timeout", type=int, default=420)
