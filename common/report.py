@@ -194,16 +194,14 @@ def write_figures(root) -> list:
 
     from . import notebook
 
+    draw = {"ladder": notebook.ladder, "tensor-core shapes": lambda: notebook.tc_latency(["05", "06", "07"])}
     out = []
-    ax, _ = notebook.ladder()
-    path = _P(root) / README_FIGURES["ladder"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ax.figure.savefig(path, dpi=110)
-    out.append(path)
-    ax, _ = notebook.tc_latency(["05", "06", "07"])
-    path = _P(root) / README_FIGURES["tensor-core shapes"]
-    ax.figure.savefig(path, dpi=110)
-    out.append(path)
+    for key, fn in draw.items():
+        ax, _ = fn()
+        path = _P(root) / README_FIGURES[key]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ax.figure.savefig(path, dpi=110)
+        out.append(path)
     plt.close("all")
     return out
 

@@ -3,8 +3,8 @@
 K2's blocks get one load warp that copies the next chunks' operands (w, qd,
 kr^T, Aqk, u, exp(glast)) into a ring of shared-memory slots with 16-byte
 cp.async, and compute warps that each own 16 value columns, keep their fp32
-state in registers and never wait at a block-wide barrier: FULL / EMPTY named
-barriers hand the slots back and forth. K1 issues its global loads up front
+state in registers and never wait at a block-wide barrier: FULL / EMPTY
+mbarriers hand the slots back and forth. K1 issues its global loads up front
 and inverts (I + L) in registers. Same algorithm, workspace and numerics as
 stage 05. The profile build times each step with clock64 (cycles per block),
 the load warp's stalls as separate regions.
