@@ -9,6 +9,7 @@ included) and CUDA-graph replay (GPU time).
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -64,6 +65,7 @@ def _timed(fn, device, budget_s: float, graph: bool) -> dict:
     once()  # warm-up
     dt = max(once(), 1e-6)
     if dt > VERY_LONG_CALL_S:
+        print(f"[bench]   one call takes {dt:.1f} s: timing one more", file=sys.stderr, flush=True)
         ts = sorted([dt, once()])
         return {"ms": 1e3 * (ts[0] + ts[1]) / 2, "min_ms": 1e3 * ts[0], "reps": 2,
                 "note": "wall clock of two calls after a warm-up (each call > 0.5 s)",
@@ -126,6 +128,7 @@ def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, 
     t = _timed(f, dev, budget_s, graph)
     row.update({"fwd_" + k: v for k, v in t.items()})
     if has_bwd:
+        print(f"[bench]   forward {t['ms']:.3f} ms; backward next", file=sys.stderr, flush=True)
         if stage_id == "fla":
             leaves = {n: (x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() else x)
                       for n, x in kw.items()}

@@ -135,7 +135,7 @@ def main():
     p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmarks")
     p.add_argument("--bench-timeout", type=int, default=420)
     p.add_argument("--pytest-k", default=None, help="pytest -k expression for the tests phase")
-    p.add_argument("--shapes", default=None, help="bench only these sweep rows (kdalab bench --shapes)")
+    p.add_argument("--shapes", default=None, help="bench only these rows of each sweep (kdalab bench --shapes)")
     args = p.parse_args()
     stages = args.stages.split(",")
     phases = args.phases.split(",")
@@ -165,17 +165,17 @@ def main():
     if "sanitize" in phases:
         sanitize(stages)
     fla = ["fla"] if args.fla else []
+    shapes = ["--shapes", args.shapes] if args.shapes else []
     if "bench-fp32" in phases and fp32:
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(fp32), "--sweep", "fp32-gpu",
-            "--out", str(OUT / "fp32_stages.json"), "--budget", "0.5"], args.bench_timeout, "bench")
+            "--out", str(OUT / "fp32_stages.json"), "--budget", "0.5"] + shapes, args.bench_timeout, "bench")
     if "bench-fla-fp32" in phases and args.fla:
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", "fla", "--sweep", "fp32-gpu",
-            "--out", str(OUT / "fp32_fla.json"), "--budget", "0.5"], args.bench_timeout, "bench")
+            "--out", str(OUT / "fp32_fla.json"), "--budget", "0.5"] + shapes, args.bench_timeout, "bench")
     if "bench-tc" in phases and tc:
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(tc + fla), "--sweep", "tc-gpu",
             "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"]
-           + (["--shapes", args.shapes] if args.shapes else []),
-           args.bench_timeout, "bench")
+           + shapes, args.bench_timeout, "bench")
     log("done")
     return 0
 
