@@ -168,7 +168,8 @@ _LIVE: dict = {}
 
 def _live_sweep(sid, shapes, tc: bool = False):
     """A live latency sweep, measured once per notebook session and reused.
-    FLA is timed forward only: its fp32 backward autotunes for many minutes.
+    FLA is timed forward only: its fp32 backward autotunes for about five minutes on a
+    fresh H200 (recorded FLA backward rows are in results/h200/fp32_stages.json).
     ``tc``: the tensor-core regime (bf16 inputs, bounded gate, chunk 16, forward)."""
     key = (sid, tc, tuple(tuple(sorted(x.items())) for x in shapes))
     if key not in _LIVE:
