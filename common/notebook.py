@@ -148,7 +148,7 @@ def latency(stage_ids, *, y: str = "fwd", title=None):
     for rows, where in ((live_rows, "measured live"), (rec_rows, "recorded")):
         for r in rows:
             r[key] = r.get(f"{y}_graph_ms") if r.get(f"{y}_graph_ms") is not None else r.get(f"{y}_ms")
-        rows = [dict(r, series=f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})") for r in rows
+        rows = [dict(r, series=f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})" + _eager_mark(r, y)) for r in rows
                 if r.get(key) is not None]
         sweep_rows = [r for r in rows if not (r["H"] == 64 and r["K"] == 128)]
         if not sweep_rows:
@@ -161,6 +161,13 @@ def latency(stage_ids, *, y: str = "fwd", title=None):
     if not figs:
         print("no latency figures for these stages on this machine yet")
     return figs
+
+
+def _eager_mark(row: dict, y: str) -> str:
+    """' eager' for a row timed without graph replay although a call is short
+    enough for launch overhead to count (FLA's backward goes through autograd)."""
+    short = row.get(f"{y}_ms") is not None and row[f"{y}_ms"] < 1e3 * bench.LONG_CALL_S
+    return " eager" if short and row.get(f"{y}_graph_ms") is None else ""
 
 
 _LIVE: dict = {}

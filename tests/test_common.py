@@ -107,3 +107,12 @@ def test_split_parallel_gives_the_load_warp_its_own_bar():
     out = split_parallel({"06": {"K2: w@S": 3.0, "K2 load warp: issue cp.async": 2.0}, "05": {"K2: w@S": 5.0}})
     assert out == {"06": {"K2: w@S": 3.0}, "06\n(load warp)": {"K2 load warp: issue cp.async": 2.0},
                    "05": {"K2: w@S": 5.0}}
+
+
+def test_short_rows_without_graph_replay_are_labelled_eager():
+    from common.notebook import _eager_mark
+
+    assert _eager_mark({"bwd_ms": 2.8, "bwd_graph_ms": None}, "bwd") == " eager"  # FLA's autograd backward
+    assert _eager_mark({"bwd_ms": 2.8, "bwd_graph_ms": 2.1}, "bwd") == ""
+    assert _eager_mark({"bwd_ms": 8600.0, "bwd_graph_ms": None}, "bwd") == ""  # long call: overhead is noise
+    assert _eager_mark({"fwd_ms": None}, "fwd") == ""
