@@ -48,6 +48,13 @@ LONG_CALL_S = 0.05  # above this, launch overhead is noise: no graph replay, few
 VERY_LONG_CALL_S = 0.5  # above this, the first call is the warm-up and two more are timed
 
 
+def best_ms(row: dict, y: str = "fwd"):
+    """A row's time for ``y`` ("fwd" or "bwd"): GPU time (graph replay) where
+    it was measured, else the eager time; None if neither."""
+    g = row.get(f"{y}_graph_ms")
+    return g if g is not None else row.get(f"{y}_ms")
+
+
 def _timed(fn, device, budget_s: float, graph: bool) -> dict:
     """Time ``fn`` with a repetition count that fits ``budget_s``. The first call
     is a warm-up (lazy initialisation, autotuning); the second sizes the rest.
@@ -118,7 +125,7 @@ def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, 
         chunk = chunk or spec.default_chunk
     kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=dtype,
                      device=dev, gate=gate, chunk_size=chunk)
-    row = dict(stage=name, **shape, gate=gate, chunk=chunk if chunk else (spec.default_chunk if spec else 64),
+    row = dict(stage=name, **shape, gate=gate, chunk=chunk or 64,  # FLA's chunk_kda: 64-token chunks
                dtype=str(dtype).replace("torch.", ""), device=str(dev))
 
     def f():

@@ -175,8 +175,6 @@ def reduction_scales(inp: dict, cotangents) -> dict:
     return {"dA_log": (da * da_dA).abs().sum(dim=(0, 1, 3)), "ddt_bias": dg.abs().sum(dim=(0, 1))}
 
 
-
-
 def _err(x, ref, scale=None):
     if scale is None:
         return rel_err(x, ref)

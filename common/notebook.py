@@ -147,7 +147,7 @@ def latency(stage_ids, *, y: str = "fwd", title=None):
     key = f"{y}_best_ms"
     for rows, where in ((live_rows, "measured live"), (rec_rows, "recorded")):
         for r in rows:
-            r[key] = r.get(f"{y}_graph_ms") if r.get(f"{y}_graph_ms") is not None else r.get(f"{y}_ms")
+            r[key] = bench.best_ms(r, y)
         rows = [dict(r, series=f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})" + _eager_mark(r, y)) for r in rows
                 if r.get(key) is not None]
         sweep_rows = [r for r in rows if not (r["H"] == 64 and r["K"] == 128)]
@@ -207,9 +207,6 @@ def resources(stage_id) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-
-
-
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
 
 
@@ -257,7 +254,7 @@ def tc_latency(stage_ids=("05",)):
     rows += _anchor_rows({bench.shape_label(r) for r in rows if r["stage"] == FLA_TC})
     for r in rows:
         r["shape"] = bench.shape_label(r)
-        r["ms"] = r.get("fwd_graph_ms") if r.get("fwd_graph_ms") is not None else r.get("fwd_ms")
+        r["ms"] = bench.best_ms(r)
     if where == "recorded" and meta is not None:
         print("recorded: " + results.label(meta))
     print("FlashKDA (and FLA where not measured): anchors measured on the same H200 (results/anchors/, 2026-11-29)")
@@ -275,11 +272,10 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
         meta, rec = _recorded(name)
         for r in rec:
             if all(r.get(k) == v for k, v in shape.items()):
-                ms = r.get("fwd_graph_ms") if r.get("fwd_graph_ms") is not None else r.get("fwd_ms")
                 label = r["stage"]
                 if label == "FLA chunk_kda":
                     label = "FLA chunk_kda (fp32, softplus)" if name == "fp32_stages" else FLA_TC
-                rows.append(dict(stage=label, fwd_ms=ms, bwd_ms=r.get("bwd_graph_ms") or r.get("bwd_ms"),
+                rows.append(dict(stage=label, fwd_ms=bench.best_ms(r), bwd_ms=bench.best_ms(r, "bwd"),
                                  note=r.get("error") or r.get("note") or ""))
     fla_at = {bench.shape_label(shape)} if any(r["stage"] == FLA_TC for r in rows) else frozenset()
     rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor")

@@ -150,8 +150,7 @@ def plot_fragments(ax=None):
         a.set_xlabel("n (column)")
         a.set_ylabel("m (row)" if layout == "C" else "k (row)")
         a.set_title(title, fontsize=9)
-        for v in (7.5,):
-            a.axhline(v, color="k", lw=1)
-            a.axvline(v, color="k", lw=1)
+        a.axhline(7.5, color="k", lw=1)  # the four 8x8 quadrants movmatrix works on
+        a.axvline(7.5, color="k", lw=1)
     ax[0].figure.tight_layout()
     return ax

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from . import bench, checks, results
 from .paths import RESULTS_DIR
 from .plotting import plot_latency, plot_profile
@@ -101,8 +100,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         summary.append(dict(stage=spec.name, status=("ok" if stage_ok else "FAILED") + f", measured here ({dev.type})",
                             err_ref=max(r["err_ref"] for r in worst),
                             err_prev=max((r["err_prev"] for r in worst if r["err_prev"] is not None), default=None),
-                            fwd_ms=lrows[-1].get("fwd_graph_ms") or lrows[-1].get("fwd_ms"),
-                            bwd_ms=lrows[-1].get("bwd_graph_ms") or lrows[-1].get("bwd_ms"),
+                            fwd_ms=bench.best_ms(lrows[-1]), bwd_ms=bench.best_ms(lrows[-1], "bwd"),
                             shape=bench.shape_label(lrows[-1])))
         md.append(f"## {spec.name}: {spec.title}\n\nChecks ({len(cases)} cases, worst per output):\n\n"
                   + checks.format_rows(worst, columns=("output", "err_ref", "err_prev", "tol", "ok")) + "\n"
@@ -145,8 +143,7 @@ def _recorded_summary(stage_name: str, why: str) -> dict:
                     row["err_prev"] = max(row.get("err_prev") or 0.0, r["err_prev"])
                 devices.add(meta.get("device"))
             elif r.get("fwd_ms") is not None:
-                row["fwd_ms"] = r.get("fwd_graph_ms") or r["fwd_ms"]
-                row["bwd_ms"] = r.get("bwd_graph_ms") or r.get("bwd_ms")
+                row["fwd_ms"], row["bwd_ms"] = bench.best_ms(r), bench.best_ms(r, "bwd")
                 row["shape"] = shape_label_safe(r)
                 devices.add(meta.get("device"))
     if devices:
@@ -188,8 +185,6 @@ def write_figures(root) -> list:
     """The README's figures, drawn from the recorded results (no GPU needed):
     the ladder at the seed's shape and the tensor-core stages against FLA and
     FlashKDA at the six H200 shapes."""
-    from pathlib import Path as _P
-
     import matplotlib.pyplot as plt
 
     from . import notebook
@@ -198,7 +193,7 @@ def write_figures(root) -> list:
     out = []
     for key, fn in draw.items():
         ax, _ = fn()
-        path = _P(root) / README_FIGURES[key]
+        path = Path(root) / README_FIGURES[key]
         path.parent.mkdir(parents=True, exist_ok=True)
         ax.figure.savefig(path, dpi=110)
         out.append(path)
@@ -208,11 +203,9 @@ def write_figures(root) -> list:
 
 def update_readme(path) -> bool:
     """Rewrite the results block of README.md from results/. Returns True if it changed."""
-    from pathlib import Path as _P
-
-    text = _P(path).read_text()
+    text = Path(path).read_text()
     a, b = text.index(README_START), text.index(README_END) + len(README_END)
     new = text[:a] + readme_block() + text[b:]
     if new != text:
-        _P(path).write_text(new)
+        Path(path).write_text(new)
     return new != text

@@ -16,8 +16,6 @@ def test_cuda_home_found_behind_a_wrapper(tmp_path, monkeypatch):
     """An nvcc on PATH that is a wrapper script: its folder is not the toolkit."""
     home = build.find_cuda_home()
     if home is None:
-        import pytest
-
         pytest.skip("no CUDA toolkit on this machine")
     wrapper = tmp_path / "bin" / "nvcc"
     wrapper.parent.mkdir()
@@ -64,8 +62,6 @@ def test_plots_draw():
 
 
 def test_rel_err_rejects_nan_and_shape_mismatch():
-    import pytest
-
     assert rel_err(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
     with pytest.raises(ValueError):
         rel_err(torch.zeros(2), torch.zeros(3))
@@ -90,8 +86,6 @@ def test_fragment_maps_are_transposes():
 
 
 def test_frag_check_rejects_bad_arguments_before_any_kernel():
-    import torch
-
     from common.stages import load_stage
 
     stage = load_stage("07")
@@ -116,3 +110,12 @@ def test_short_rows_without_graph_replay_are_labelled_eager():
     assert _eager_mark({"bwd_ms": 2.8, "bwd_graph_ms": 2.1}, "bwd") == ""
     assert _eager_mark({"bwd_ms": 8600.0, "bwd_graph_ms": None}, "bwd") == ""  # long call: overhead is noise
     assert _eager_mark({"fwd_ms": None}, "fwd") == ""
+
+
+def test_best_ms_prefers_graph_replay():
+    from common.bench import best_ms
+
+    assert best_ms({"fwd_ms": 1.2, "fwd_graph_ms": 0.4}) == 0.4
+    assert best_ms({"fwd_ms": 1.2, "fwd_graph_ms": None}) == 1.2
+    assert best_ms({"bwd_ms": 3.0}, "bwd") == 3.0
+    assert best_ms({"error": "out of memory"}) is None
