@@ -14,15 +14,26 @@ cotangents, so the autograd wiring of each stage is checked too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .contract import poisoned
 from .inputs import TENSOR_ARGS, make_cotangents, make_inputs
-from .metrics import rel_err, tolerance
+from .metrics import rel_err, tolerance, worst
 from .reference import kda_reference
 from .stages import load_stage, previous
+
+
+def as_stage(stage):
+    """A stage module from an id ("01", "01_cpp") or the module itself (a
+    stage-like object with SPEC and forward, as the negative-control tests
+    plant)."""
+    return load_stage(stage) if isinstance(stage, (str, int)) else stage
+
+
+_DEFAULT = object()
 
 
 @dataclass(frozen=True)
@@ -176,13 +187,14 @@ def reduction_scales(inp: dict, cotangents) -> dict:
 
 
 def _err(x, ref, scale=None):
-    if scale is None:
-        return rel_err(x, ref)
-    d = rel_err(x, ref) * torch.linalg.vector_norm(ref.detach().double().cpu()).item()
-    if d == float("inf"):
-        return d
+    """rel_err, or for a reduced gradient the error relative to the size of the
+    terms it sums (see reduction_scales). inf whenever rel_err is inf."""
+    r = rel_err(x, ref)
+    if scale is None or r == math.inf:
+        return r
+    d = torch.linalg.vector_norm(x.detach().double().cpu() - ref.detach().double().cpu()).item()
     den = torch.linalg.vector_norm(scale.double()).item()
-    return d / den if den > 0 else d
+    return d / den if den > 0 else math.inf
 
 
 def stage_device(spec, want=None) -> torch.device:
@@ -199,11 +211,16 @@ def precision(spec) -> str:
     return "bf16" if spec.compute_dtype == torch.bfloat16 else "fp32"
 
 
-def check_case(stage_id, case: Case, *, device=None, backward=None, against_prev=True,
+def check_case(stage, case: Case, *, device=None, backward=None, against_prev=True, prev=_DEFAULT,
                ref_device=None) -> list[dict]:
     """Errors of one stage on one case: a row per output (o, S, gradients) with
-    the error against the fp64 reference and against the previous stage."""
-    stage = load_stage(stage_id)
+    the error against the fp64 reference and against the previous stage.
+
+    ``stage`` is an id or a stage module; ``prev`` overrides the stage it is
+    compared with (default: the previous stage of the ladder; None: no
+    comparison). A row is ok only if both errors are within the tolerance of
+    the stage's precision; a comparison that could not be made is never ok."""
+    stage = as_stage(stage)
     spec = stage.SPEC
     dev = stage_device(spec, device)
     backward = spec.backward if backward is None else (backward and spec.backward)
@@ -214,42 +231,44 @@ def check_case(stage_id, case: Case, *, device=None, backward=None, against_prev
     got = run(stage.forward, inp, dev, backward=backward, cotangents=cot)
     rdev = torch.device(ref_device) if ref_device is not None else dev
     ref = run(kda_reference, inp, rdev, backward=backward, cotangents=cot, dtype=torch.float64)
-    prev = None
-    pid = previous(spec.id) if against_prev else None
-    if pid is not None:
-        pstage = load_stage(pid)
-        pdev = stage_device(pstage.SPEC, dev)
-        pb = backward and pstage.SPEC.backward
-        prev = run(pstage.forward, inp, pdev, backward=pb, cotangents=cot)
+    if prev is _DEFAULT:
+        pid = previous(spec.id) if against_prev else None
+        prev = load_stage(pid) if pid is not None else None
+    pres = None
+    if prev is not None:
+        pdev = stage_device(prev.SPEC, dev)
+        pres = run(prev.forward, inp, pdev, backward=backward and prev.SPEC.backward, cotangents=cot)
     tol = tolerance(precision(spec))
     scales = reduction_scales(inp, cot) if backward else {}
     rows = []
     for name, x in got.items():
-        if x is None:
-            continue
+        if x is None and ref[name] is None:
+            continue  # an absent input (no h0) has no gradient on either side
         sc = scales.get(name)
-        r = _err(x, ref[name], sc)
-        p = _err(x, prev[name], sc) if (prev is not None and prev.get(name) is not None) else None
+        r = math.inf if x is None or ref[name] is None else _err(x, ref[name], sc)
+        p = None
+        if pres is not None and pres.get(name) is not None:
+            p = math.inf if x is None else _err(x, pres[name], sc)
         ok = r <= tol and (p is None or p <= tol)
         rows.append(dict(stage=spec.name, case=case.id, output=name, err_ref=r, err_prev=p,
-                         prev=(load_stage(pid).SPEC.name if pid else None), tol=tol, ok=ok))
+                         prev=(prev.SPEC.name if prev is not None else None), tol=tol, ok=ok))
     return rows
 
 
-def check_against_fla(stage_id, case: Case) -> list[dict]:
+def check_against_fla(stage, case: Case) -> list[dict]:
     """o and the final state of a stage against FLA's chunk_kda on the same bf16
-    inputs (GPU, fla-core installed). err_ref is FLA's own error against the
-    fp64 reference and must be within the bf16 tolerance too. Both sides carry
-    their own bf16 roundings (o is rounded to bf16 by each), so the two are held
-    to the sum of their bounds: |stage - FLA| <= |stage - ref| + |ref - FLA|,
-    2 x the bf16 tolerance. (Measured on the H200: 5.7e-3, with 4.2e-3 between
-    FLA and fp64 and 4.0e-3 between the stages and fp64.)"""
+    inputs (GPU, fla-core installed). A row carries the stage's error against
+    FLA (``err_fla``) and FLA's own error against the fp64 reference
+    (``fla_err_ref``), which must be within the bf16 tolerance too. Both sides
+    carry their own bf16 roundings (o is rounded to bf16 by each), so the two
+    are held to the sum of their bounds: |stage - FLA| <= |stage - ref| +
+    |ref - FLA|, 2 x the bf16 tolerance (``tol_fla``)."""
     from .fla_ref import fla_available, fla_forward
 
     ok, why = fla_available()
     if not ok:
         raise RuntimeError(why)
-    stage = load_stage(stage_id)
+    stage = as_stage(stage)
     spec = stage.SPEC
     inp = case_inputs(case, "cpu", spec.compute_dtype)
     got = run(stage.forward, inp, "cuda", backward=False)
@@ -259,21 +278,39 @@ def check_against_fla(stage_id, case: Case) -> list[dict]:
     rows = []
     for name in ("o", "S"):
         e, f = rel_err(got[name], fla[name]), rel_err(fla[name], ref[name])
-        rows.append(dict(stage=spec.name, case=case.id, output=f"{name} vs FLA", err_ref=f, err_prev=e,
-                         prev="FLA chunk_kda", tol=2 * tol, ok=e <= 2 * tol and f <= tol))
+        rows.append(dict(stage=spec.name, case=case.id, output=name, against="FLA chunk_kda", err_fla=e,
+                         fla_err_ref=f, tol_fla=2 * tol, tol=tol, ok=e <= 2 * tol and f <= tol))
     return rows
 
 
-def check_stage(stage_id, cases, **kw) -> list[dict]:
+def summarize_fla(rows) -> list[dict]:
+    """Worst stage-vs-FLA and FLA-vs-fp64 error per (stage, output)."""
+    out: dict = {}
+    for r in rows:
+        w = out.setdefault((r["stage"], r["output"]), dict(stage=r["stage"], output=r["output"], against=r["against"],
+                                                          err_fla=None, fla_err_ref=None, tol_fla=r["tol_fla"],
+                                                          tol=r["tol"], ok=True, cases=0))
+        w["err_fla"] = worst([w["err_fla"], r["err_fla"]])
+        w["fla_err_ref"] = worst([w["fla_err_ref"], r["fla_err_ref"]])
+        w["ok"] = w["ok"] and r["ok"]
+        w["cases"] += 1
+    return list(out.values())
+
+
+def check_stage(stage, cases, *, progress=None, **kw) -> list[dict]:
+    """check_case over cases; ``progress(i, n, case, rows)`` after each."""
     rows = []
-    for case in cases:
-        rows += check_case(stage_id, case, **kw)
+    for i, case in enumerate(cases, 1):
+        r = check_case(stage, case, **kw)
+        rows += r
+        if progress is not None:
+            progress(i, len(cases), case, r)
     return rows
 
 
-def check_deterministic(stage_id, case: Case, device=None) -> bool:
+def check_deterministic(stage, case: Case, device=None) -> bool:
     """Two forward calls on the same inputs give bitwise identical o and S."""
-    stage = load_stage(stage_id)
+    stage = as_stage(stage)
     dev = stage_device(stage.SPEC, device)
     inp = case_inputs(case, "cpu", stage.SPEC.compute_dtype)
     a = run(stage.forward, inp, dev, backward=False)
@@ -282,18 +319,28 @@ def check_deterministic(stage_id, case: Case, device=None) -> bool:
 
 
 def summarize(rows) -> list[dict]:
-    """Worst error per (stage, output) over all cases."""
-    worst: dict = {}
+    """Worst error per (stage, output) over all cases (NaN counts as inf)."""
+    out: dict = {}
     for r in rows:
-        key = (r["stage"], r["output"])
-        w = worst.setdefault(key, dict(stage=r["stage"], output=r["output"], err_ref=0.0, err_prev=None,
-                                       prev=r["prev"], tol=r["tol"], ok=True, cases=0))
-        w["err_ref"] = max(w["err_ref"], r["err_ref"])
-        if r["err_prev"] is not None:
-            w["err_prev"] = max(w["err_prev"] or 0.0, r["err_prev"])
+        w = out.setdefault((r["stage"], r["output"]), dict(stage=r["stage"], output=r["output"], err_ref=None,
+                                                          err_prev=None, prev=r["prev"], tol=r["tol"], ok=True,
+                                                          cases=0))
+        w["err_ref"] = worst([w["err_ref"], r["err_ref"]])
+        w["err_prev"] = worst([w["err_prev"], r["err_prev"]])
         w["ok"] = w["ok"] and r["ok"]
         w["cases"] += 1
-    return list(worst.values())
+    return list(out.values())
+
+
+def check_profile(prof: dict, expected) -> list[str]:
+    """What is wrong with a region profile against the region names a stage is
+    expected to record: missing regions (one that stopped recording is dropped
+    as zero by extrun.profile), unexpected ones, and values that are not
+    positive and finite. Empty: nothing wrong."""
+    problems = [f"missing region {n!r}" for n in expected if n not in prof]
+    problems += [f"unexpected region {n!r}" for n in prof if n not in expected]
+    problems += [f"region {n!r} = {v!r}" for n, v in prof.items() if not (math.isfinite(v) and v > 0)]
+    return problems
 
 
 def format_rows(rows, *, columns=("stage", "case", "output", "err_ref", "err_prev", "ok")) -> str:

@@ -1,8 +1,18 @@
 """Error metric and tolerance policy (DESIGN.md section 6).
 
-rel_err(x, ref) = ||x - ref||_2 / ||ref||_2 in float64. NaN or inf anywhere in
-``x`` gives inf, so it never passes. A reference that is exactly zero is
-compared by the absolute norm instead.
+rel_err(x, ref) = ||x - ref||_2 / ||ref||_2 in float64. It never reports a
+pass it cannot vouch for:
+
+- NaN or inf anywhere in ``x`` gives inf (an unwritten, poisoned output);
+- NaN or inf anywhere in ``ref`` gives inf too (a broken reference checks
+  nothing);
+- a reference of norm 0 (or an empty one) gives inf: a relative error is not
+  defined there, and a check case whose reference is zero checks nothing, so
+  it is flagged for the case to be fixed instead of passing.
+
+So the result is a finite float only when both sides are finite and the
+reference is not zero, and ``worst()`` keeps inf (``max(0.0, nan)`` would
+silently give 0.0).
 """
 
 from __future__ import annotations
@@ -26,13 +36,19 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
         raise ValueError(f"shape mismatch: {list(x.shape)} vs reference {list(ref.shape)}")
     x64 = x.detach().to("cpu", torch.float64)
     r64 = ref.detach().to("cpu", torch.float64)
-    if not torch.isfinite(x64).all():
+    if not torch.isfinite(x64).all() or not torch.isfinite(r64).all():
         return math.inf
     num = torch.linalg.vector_norm(x64 - r64).item()
     den = torch.linalg.vector_norm(r64).item()
     if den == 0.0:
-        return num
+        return math.inf
     return num / den
+
+
+def worst(values) -> float | None:
+    """The largest of some errors, None if there are none; NaN counts as inf."""
+    vals = [math.inf if (v is not None and math.isnan(v)) else v for v in values if v is not None]
+    return max(vals) if vals else None
 
 
 def tolerance(precision: str) -> float:

@@ -82,9 +82,9 @@ def record_checks(stages, fla=False):
             log(f"   FAIL {x['case']} {x['output']} err_ref={x['err_ref']:.3e} err_prev={x['err_prev']}")
         if spec.compute_dtype == torch.bfloat16 and fla:
             frows = [r for case in checks.fla_cases() for r in checks.check_against_fla(sid, case)]
-            rows += checks.summarize(frows)
+            rows += checks.summarize_fla(frows)
             log(f"checks {spec.name} against FLA: " + ", ".join(
-                f"{r['case']} {r['output']} {r['err_prev']:.2e} (FLA vs fp64 {r['err_ref']:.2e})" for r in frows))
+                f"{r['case']} {r['output']} {r['err_fla']:.2e} (FLA vs fp64 {r['fla_err_ref']:.2e})" for r in frows))
         save(OUT / "checks.json", rows, metadata(command="python scripts/gpu_run.py (checks)"))
 
 
@@ -155,7 +155,7 @@ def main():
     if "tests" in phases:
         os.environ["KDALAB_STAGES"] = ",".join(stages)
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
-            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_contract.py"]
+            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_profile_regions.py", "tests/test_contract.py"]
            + (["-k", args.pytest_k] if args.pytest_k else []),
            900, "pytest")
     if "checks" in phases:

@@ -44,14 +44,6 @@ def test_forward_bitwise_deterministic(sid):
     assert checks.check_deterministic(sid, cases[min(5, len(cases) - 1)], device="cuda")
 
 
-@pytest.mark.parametrize("sid", GPU_STAGES)
-def test_gpu_profile_regions(sid):
-    stage = load_stage(sid)
-    kw = checks.stage_inputs(stage.SPEC, 1, 256, 2, 64, 64, device="cuda")
-    prof = stage.profile(**kw, backward=stage.SPEC.backward)
-    assert prof and all(v > 0 for v in prof.values()), prof
-
-
 @pytest.mark.parametrize("sid", TC)
 @pytest.mark.parametrize("case", checks.fla_cases(), ids=lambda c: c.id)
 def test_tensor_core_stage_against_fla(sid, case):
