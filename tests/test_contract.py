@@ -1,5 +1,11 @@
-"""Bad input gets a clear Python error naming the argument, before any kernel runs."""
+"""Bad input gets a clear Python error naming the argument, before any kernel runs.
 
+Validation is Python (common.contract.prepare), so every stage's contract is
+tested on the CPU: for a GPU stage, its SPEC with "cpu" added to its devices
+(the device check itself is tested apart, test_wrong_device_is_refused), and
+prepare is shown to be what each stage's forward calls."""
+
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +18,11 @@ from common.stages import load_stage, stage_ids
 
 def _device(spec):
     return "cpu" if "cpu" in spec.devices else "cuda"
+
+
+def _on_cpu(spec):
+    """The stage's spec, also accepting CPU tensors (validation only)."""
+    return spec if "cpu" in spec.devices else dataclasses.replace(spec, devices=spec.devices + ("cpu",))
 
 
 def _kw(spec=None, device=None, **over):
@@ -58,6 +69,10 @@ BAD = [
     ("lb-zero", lambda kw: dict(gate="bounded", lower_bound=0.0), ValueError, "lower_bound must be in [-5, 0)"),
     ("lb-too-low", lambda kw: dict(gate="bounded", lower_bound=-6.0), ValueError, "lower_bound must be in [-5, 0)"),
     ("lb-str", lambda kw: dict(gate="bounded", lower_bound="-5"), TypeError, "lower_bound must be a float"),
+    ("T-zero", lambda kw: {n: kw[n][:, :0] for n in ("q", "k", "v", "g", "beta")}, ValueError,
+     "q must have B, T, H >= 1"),
+    ("B-zero", lambda kw: {**{n: kw[n][:0] for n in ("q", "k", "v", "g", "beta")}, "initial_state": None},
+     ValueError, "q must have B, T, H >= 1"),
     ("chunk-not-pow2", lambda kw: dict(chunk_size=24), ValueError, "chunk_size must be"),
     ("chunk-float", lambda kw: dict(chunk_size=16.0), TypeError, "chunk_size must be an int"),
     ("scale-nan", lambda kw: dict(scale=math.nan), ValueError, "scale must be finite"),
@@ -68,18 +83,68 @@ BAD = [
 @pytest.mark.parametrize("sid", stage_ids())
 @pytest.mark.parametrize("case_id,over,exc,words", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_refused(sid, case_id, over, exc, words):
-    """Every stage on its own device (GPU stages run this on a GPU)."""
-    spec = load_stage(sid).SPEC
-    if _device(spec) == "cuda" and not torch.cuda.is_available():
-        pytest.skip("a GPU stage: its inputs must live on a GPU")
-    kw = _kw(spec)
+    """Every stage's contract, on the CPU."""
+    spec = _on_cpu(load_stage(sid).SPEC)
+    kw = _kw(spec, device="cpu")
     over = over(kw)
     if over.get("gate") == "softplus" and "softplus" not in spec.gates:
-        pytest.skip(f"{spec.name} has no softplus gate")
+        pytest.skip(f"{spec.name} has no softplus gate: a softplus-only case does not apply")
     kw.update(over)
     with pytest.raises(exc) as e:
-        load_stage(sid).forward(**kw)
+        prepare(spec, **kw)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("sid", stage_ids())
+def test_bad_input_is_refused_by_the_stage_on_its_device(sid):
+    """The same refusal through the stage's own forward, where it can run."""
+    spec = load_stage(sid).SPEC
+    if _device(spec) == "cuda" and not torch.cuda.is_available():
+        pytest.skip("a GPU stage: its inputs must live on a GPU (the contract itself is tested on the CPU above)")
+    kw = _kw(spec)
+    kw["chunk_size"] = 24
+    with pytest.raises(ValueError, match="chunk_size must be"):
+        load_stage(sid).forward(**kw)
+
+
+@pytest.mark.parametrize("sid", stage_ids())
+def test_forward_validates_with_its_spec_before_any_kernel(sid, monkeypatch):
+    """Each stage's forward calls prepare with its own SPEC first: a refusal
+    there stops the call before anything is built or launched."""
+    stage = load_stage(sid)
+
+    class Refused(Exception):
+        pass
+
+    def spy(spec, *a, **kw):
+        assert spec is stage.SPEC
+        raise Refused
+
+    monkeypatch.setattr(stage, "prepare", spy)
+    monkeypatch.setattr(stage, "build", lambda *a, **kw: pytest.fail("built before validating"), raising=False)
+    with pytest.raises(Refused):
+        stage.forward(**_kw(stage.SPEC, device="cpu"))
+
+
+@pytest.mark.parametrize("sid", [s for s in stage_ids() if load_stage(s).SPEC.equal_kv])
+def test_k_must_equal_v(sid):
+    spec = _on_cpu(load_stage(sid).SPEC)
+    K = spec.head_dims[0]
+    other = [d for d in spec.head_dims if d != K][0]
+    kw = _kw(spec, device="cpu")
+    kw.update(v=kw["v"].new_zeros(1, 20, 2, other), initial_state=None)
+    with pytest.raises(ValueError, match=rf"needs K == V, got K={K}, V={other}"):
+        prepare(spec, **kw)
+
+
+@pytest.mark.parametrize("sid", [s for s in stage_ids() if load_stage(s).SPEC.head_dims])
+def test_unsupported_head_dim_is_refused(sid):
+    """K = 96 is within 1..256 but not one of a tensor-core stage's head dims."""
+    spec = _on_cpu(load_stage(sid).SPEC)
+    kw = _kw(spec, device="cpu")
+    kw.update(_big(kw, 96))
+    with pytest.raises(ValueError, match=r"K \(q.shape\[3\]\) must be one of"):
+        prepare(spec, **kw)
 
 
 def test_unsupported_gate_is_refused():
@@ -110,13 +175,15 @@ def test_wrong_device_is_refused(sid):
             stage.forward(**kw)
 
 
-def test_mixed_devices_are_refused():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
+@pytest.mark.parametrize("name", ["k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"])
+def test_mixed_devices_are_refused(name):
+    """Inputs on two devices: with a spec that accepts both CPU and the meta
+    device, so no GPU is needed to build the second device's tensor."""
+    spec = dataclasses.replace(load_stage("00").SPEC, devices=("cpu", "meta"))
     kw = make_inputs(1, 20, 2, 16, 16)
-    kw["v"] = kw["v"].cuda()
-    with pytest.raises(ValueError, match="v is on cuda"):
-        load_stage("00").forward(**kw)
+    kw[name] = kw[name].to("meta")
+    with pytest.raises(ValueError, match=f"{name} is on meta but q is on cpu"):
+        prepare(spec, **kw)
 
 
 def test_chunk_sizes_of_the_cpp_stage():
@@ -134,11 +201,34 @@ def test_forward_only_stage_refuses_grad():
         prepare(spec, **{k: v for k, v in kw.items()})
 
 
-def test_noncontiguous_inputs_are_accepted():
-    kw = _kw()
-    kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
-    assert not kw["q"].is_contiguous()
-    o1, _ = load_stage("00").forward(**kw)
-    kw["q"] = kw["q"].contiguous()
-    o2, _ = load_stage("00").forward(**kw)
-    assert torch.equal(o1, o2)
+def _strided(x):
+    """The same values with other strides (not contiguous)."""
+    y = x.transpose(1, 2).contiguous().transpose(1, 2) if x.dim() >= 3 else x.t().contiguous().t()
+    assert torch.equal(x, y) and not y.is_contiguous()
+    return y
+
+
+def test_noncontiguous_inputs_give_the_same_answer():
+    """Stage 01 reads raw pointers: non-contiguous inputs must be made
+    contiguous before its kernels see them."""
+    kw = _kw(chunk_size=16)
+    o1, S1 = load_stage("01").forward(**kw)
+    for n in ("q", "k", "v", "g", "dt_bias", "initial_state"):
+        kw[n] = _strided(kw[n])
+    o2, S2 = load_stage("01").forward(**kw)
+    assert torch.equal(o1, o2) and torch.equal(S1, S2)
+
+
+@pytest.mark.parametrize("sid", stage_ids())
+def test_prepare_returns_contiguous_tensors_in_the_stage_dtypes(sid):
+    spec = _on_cpu(load_stage(sid).SPEC)
+    kw = _kw(spec, device="cpu")
+    for n in ("q", "k", "v", "g", "dt_bias", "initial_state"):
+        kw[n] = _strided(kw[n])
+    c = prepare(spec, **kw)
+    for n in ("q", "k", "v", "g", "beta"):
+        t = getattr(c, n)
+        assert t.is_contiguous() and t.dtype == spec.compute_dtype, n
+    for n in ("A_log", "dt_bias", "initial_state"):
+        t = getattr(c, n)
+        assert t.is_contiguous() and t.dtype == torch.float32, n
