@@ -20,6 +20,19 @@ never overflows whatever the gate and chunk size.
 Any chunk size that is a power of two >= 16 and any T: the last chunk is padded
 with k = v = beta = a = 0, which leaves S untouched (the gate sum stays flat and
 the padded rows of w, u and kr are zero), and the padded rows of o are dropped.
+
+Causality, also for bad numbers: every product with a triangular factor (Af @ kd,
+Af @ v, Aqk @ vcorr) only ever forms the terms below the diagonal, as the loops
+of stage 01 do, so a NaN in token j's input reaches the outputs of tokens >= j
+only, exactly as in the token loop. (A dense matmul would multiply the zeros
+above the diagonal by the NaN rows and spread it to the whole chunk.)
+
+A limit of the chunked form: the decay between two tokens is a difference of
+running sums, exp(gc_c - gc_i). An infinite gate (g = +inf with softplus, or any
+g whose decay overflows to -inf) makes both sums -inf and the difference NaN,
+although the token loop is finite (the state is simply reset to 0). Tokens
+before it are unaffected; the chunk holding it and everything after are NaN.
+Stages 01-04 share this limit (tests/test_stages_cpu.py pins it).
 """
 
 import time
@@ -48,25 +61,34 @@ SPEC = StageSpec(
 
 
 class _Clock:
-    """Wall time per region for profile(); a no-op when not profiling."""
+    """Wall time per region, for profile() only."""
 
-    def __init__(self, enabled, device):
-        self.enabled, self.device, self.times = enabled, device, {}
-        self.t = time.perf_counter()
+    def __init__(self, device):
+        self.device, self.times = device, {}
+        self.restart()
 
     def restart(self):
-        if self.enabled and self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.t = time.perf_counter()
 
     def lap(self, region):
-        if not self.enabled:
-            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.times[region] = self.times.get(region, 0.0) + now - self.t
         self.t = now
+
+
+class _NoClock:
+    """The forward's clock when not profiling: reads no timer, so the forward
+    stays one graph under torch.compile(fullgraph=True)."""
+
+    def lap(self, region):
+        pass
+
+
+_NO_CLOCK = _NoClock()
 
 
 def _chunks(x, NT, BT):
@@ -96,10 +118,26 @@ def _pairwise(x, y, gc):
     return torch.stack(cols, dim=-1)  # [..., BT(c), BT(i)]
 
 
+def _causal_matmul(A, X):
+    """A @ X for a lower-triangular A (diagonal included) that never forms a term
+    above the diagonal: out[c] = sum over i <= c of A[c, i] X[i]. A NaN in row j
+    of X then reaches rows >= j of the output only (see the module doc).
+
+    A: [..., BT, BT], X: [..., BT, N] -> [..., BT, N]; one column of A at a time,
+    like _pairwise."""
+    BT = A.shape[-1]
+    rows = torch.arange(BT, device=A.device)
+    out = torch.zeros(A.shape[:-1] + X.shape[-1:], dtype=X.dtype, device=X.device)
+    for i in range(BT):
+        keep = (rows >= i)[:, None]  # [BT, 1]: rows c >= i
+        out = out + torch.where(keep, A[..., :, i:i + 1] * X[..., i:i + 1, :], 0.0)
+    return out
+
+
 def chunk_kda(c, clock=None):
     """The chunked forward on a validated call ``c`` (common.contract.Call).
     Returns o [B, T, H, V] float32 and the final state [B, H, K, V] float32."""
-    clock = clock or _Clock(False, c.device)
+    clock = clock or _NO_CLOCK
     B, T, H, K, V, BT = c.B, c.T, c.H, c.K, c.V, c.chunk_size
     NT = (T + BT - 1) // BT
 
@@ -127,11 +165,11 @@ def chunk_kda(c, clock=None):
 
     # ---- WY transform (chunk-parallel) ----
     eye = torch.eye(BT, dtype=q.dtype, device=q.device)
-    L = beta[..., :, None] * _pairwise(k, k, gc) * (1.0 - eye)  # [B, H, NT, BT, BT] strict lower
-    Af = torch.linalg.solve_triangular(eye + L, torch.diag_embed(beta), upper=False,
-                                       unitriangular=True)  # (I + L)^-1 diag(beta)
-    w = Af @ (k * torch.exp(gc.float()))  # [B, H, NT, BT, K]
-    u = Af @ v  # [B, H, NT, BT, V]
+    L = torch.tril(beta[..., :, None] * _pairwise(k, k, gc), diagonal=-1)  # [B, H, NT, BT, BT] strict lower
+    X = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)  # (I + L)^-1
+    Af = torch.tril(X * beta[..., None, :])  # [B, H, NT, BT, BT]  X diag(beta), lower incl. diagonal
+    w = _causal_matmul(Af, k * torch.exp(gc.float()))  # [B, H, NT, BT, K]
+    u = _causal_matmul(Af, v)  # [B, H, NT, BT, V]
     clock.lap("fwd: WY transform")
 
     # ---- Aqk and the decayed operands (chunk-parallel) ----
@@ -149,7 +187,7 @@ def chunk_kda(c, clock=None):
     outs = []
     for n in range(NT):
         vcorr = u[:, :, n] - w[:, :, n] @ S  # [B, H, BT, V]
-        outs.append(qd[:, :, n] @ S + Aqk[:, :, n] @ vcorr)  # [B, H, BT, V]
+        outs.append(qd[:, :, n] @ S + _causal_matmul(Aqk[:, :, n], vcorr))  # [B, H, BT, V]
         S = decay[:, :, n] * S + kr[:, :, n].transpose(-1, -2) @ vcorr  # [B, H, K, V]
     o = torch.stack(outs, dim=2)  # [B, H, NT, BT, V]
     o = o.movedim(1, 3).reshape(B, NT * BT, H, V)[:, :T]  # [B, T, H, V]
@@ -185,7 +223,7 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
         t = getattr(c, n)
         if t is not None:
             setattr(c, n, t.detach().requires_grad_(backward))
-    clock = _Clock(True, c.device)
+    clock = _Clock(c.device)
     with torch.set_grad_enabled(backward):
         o, S = chunk_kda(c, clock)
         if backward:
