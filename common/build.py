@@ -7,10 +7,15 @@
   (e.g. /usr/local/bin/nvcc), whose folder is not the toolkit.
 - CUTLASS/CuTe headers come from the ``nvidia-cutlass`` wheel (or CUTLASS_PATH).
 - The profile variant is the same sources compiled with -DKDA_PROFILE.
+- A build says what it does: "up to date" when ninja has nothing to do, else
+  which files it compiles, with the elapsed time every few seconds. A compile
+  error becomes a :class:`CompileError` whose message is the compiler's error
+  lines (file:line: message), not ninja's whole log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
@@ -18,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,13 +107,97 @@ def extension_name(stage_name: str, profile: bool = False) -> str:
 _LOADED: dict = {}
 
 
+class CompileError(RuntimeError):
+    """A stage's sources did not compile. ``errors`` are the compiler's error
+    lines as "file:line: message" (paths relative to the repository); ``log``
+    is ninja's whole output."""
+
+    def __init__(self, name: str, log: str):
+        self.name, self.log = name, log
+        self.errors = compiler_errors(log)
+        shown = self.errors[:12] or log.strip().splitlines()[-15:]
+        more = f"\n  ... and {len(self.errors) - 12} more" if len(self.errors) > 12 else ""
+        super().__init__(f"{name} does not compile:\n  " + "\n  ".join(shown) + more)
+
+
+_ERROR_LINE = re.compile(
+    r"^(?P<file>[^\s:()]+\.(?:cu|cuh|cpp|cc|h|hpp))"  # a source file
+    r"(?:\((?P<l1>\d+)\)|:(?P<l2>\d+)(?::\d+)?)"  # nvcc: file(12)  gcc: file:12:5
+    r":\s*(?:fatal\s+)?error\b:?\s*(?P<msg>.*)$")
+
+
+def compiler_errors(log: str) -> list[str]:
+    """The error lines of a compiler log, as "file:line: message", file
+    relative to the repository when it is inside it; duplicates dropped."""
+    from .paths import REPO_ROOT
+
+    out = []
+    for line in log.splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if not m:
+            continue
+        f = m.group("file")
+        try:
+            f = str(Path(f).resolve().relative_to(REPO_ROOT))
+        except ValueError:
+            pass
+        item = f"{f}:{m.group('l1') or m.group('l2')}: error: {m.group('msg').strip()}"
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def pending_work(build_dir) -> list[str] | None:
+    """What ninja would compile in ``build_dir``: [] when it is up to date,
+    the source files to compile otherwise, None when unknown (no build yet)."""
+    build_dir = Path(build_dir)
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        try:
+            import ninja as _ninja  # the pip package ships the binary
+
+            ninja = str(Path(_ninja.BIN_DIR) / "ninja")
+        except (ImportError, AttributeError):
+            return None
+    if not (build_dir / "build.ninja").exists():
+        return None
+    out = subprocess.run([ninja, "-n", "-C", str(build_dir)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    if "no work to do" in out.stdout:
+        return []
+    return [Path(f).name for f in re.findall(r" -c (\S+) -o \S+\.o\b", out.stdout)] or ["the link step"]
+
+
+class _Ticker:
+    """Prints the elapsed time every ``every`` seconds while a build runs, so a
+    long compile never looks like a hang."""
+
+    def __init__(self, name: str, every: float = 15.0):
+        self.name, self.every, self.t0 = name, every, time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            print(f"[kdalab] {self.name}: still compiling ({time.time() - self.t0:.0f} s)", flush=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
 def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, profile: bool = False,
                    cutlass: bool = False, extra_cflags=(), extra_cuda_cflags=(), verbose: bool = False,
                    quiet: bool = False):
     """Build (if needed) and import one stage's extension.
 
     ``sources`` are file names relative to ``stage_dir``. The build lives in
-    build/<extension name>/; ninja rebuilds only what changed.
+    build/<extension name>/; ninja rebuilds only what changed. Raises
+    :class:`CompileError` when the sources do not compile.
     """
     name = extension_name(stage_name, profile)
     if name in _LOADED:
@@ -139,22 +229,35 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
     cflags = ["-O3"] + defs + list(extra_cflags)
     cuda_flags = ["-O3", "-lineinfo"] + defs + list(extra_cuda_cflags)
     t0 = time.time()
-    if not quiet:
-        print(f"[kdalab] {name}: compiling what changed in {build_dir} (a first build takes about a minute) ...",
-              flush=True)
     with _build_lock(build_dir):
-        mod = cpp_extension.load(
-            name=name,
-            sources=[str(stage_dir / s) for s in sources],
-            extra_include_paths=includes,
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_flags if cuda else None,
-            build_directory=str(build_dir),
-            verbose=verbose,
-            with_cuda=cuda,
-        )
-    if not quiet:
-        print(f"[kdalab] {name} loaded ({time.time() - t0:.1f} s)", flush=True)
+        todo = pending_work(build_dir)
+        if not quiet:
+            if todo == []:
+                what = "up to date"
+            elif todo is None:
+                what = (f"first build: compiling {', '.join(sources)} "
+                        f"(about {'3-5 minutes' if cutlass else '1 minute'} on 2 cores)")
+            else:
+                what = "compiling what changed: " + ", ".join(todo)
+            print(f"[kdalab] {name}: {what}", flush=True)
+        try:
+            with (contextlib.nullcontext() if quiet else _Ticker(name)):
+                mod = cpp_extension.load(
+                    name=name,
+                    sources=[str(stage_dir / s) for s in sources],
+                    extra_include_paths=includes,
+                    extra_cflags=cflags,
+                    extra_cuda_cflags=cuda_flags if cuda else None,
+                    build_directory=str(build_dir),
+                    verbose=verbose,
+                    with_cuda=cuda,
+                )
+        except RuntimeError as e:
+            if "Error building extension" in str(e):
+                raise CompileError(name, str(e)) from None
+            raise
+    if not quiet and (todo != [] or time.time() - t0 > 5):
+        print(f"[kdalab] {name}: built and loaded ({time.time() - t0:.0f} s)", flush=True)
     _LOADED[name] = mod
     return mod
 
@@ -244,6 +347,42 @@ def _parse_ptxas(text: str):
     for r, n in zip(rows, names):
         r["kernel"] = re.sub(r"\(.*", "", n.replace("(anonymous namespace)::", ""))
     return rows
+
+
+def build_parallel(stage_ids, *, profile: bool = True, say=print, jobs: int | None = None) -> dict:
+    """Build stages (and their profile variants) in parallel processes, one per
+    extension, as a tour or a GPU session does before anything else. Returns
+    {stage id: the compiler's error lines} for those that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    code = ("import sys\nfrom common.build import CompileError\nfrom common.stages import load_stage\n"
+            "try:\n    load_stage(sys.argv[1]).build(profile=sys.argv[2] == '1')\n"
+            "except CompileError as e:\n    print(e)\n    sys.exit(4)\n")
+    from .paths import REPO_ROOT
+    from .stages import load_stage
+
+    todo = [(s, p) for s in stage_ids if getattr(load_stage(s), "SOURCES", None)
+            for p in (("0", "1") if profile else ("0",))]
+    if not todo:
+        return {}
+    n = jobs or max(1, min(len(todo), (os.cpu_count() or 2) // 2))
+    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(max(1, (os.cpu_count() or 2) // n))))
+    t0 = time.time()
+
+    def one(job):
+        sid, prof = job
+        out = subprocess.run([sys.executable, "-c", code, sid, prof], capture_output=True, text=True, cwd=REPO_ROOT,
+                             env=env)
+        say(f"{sid}{' (profile)' if prof == '1' else ''}: {'built' if out.returncode == 0 else 'FAILED'} "
+            f"({time.time() - t0:.0f} s)")
+        return sid, out.returncode, out.stdout + out.stderr
+
+    failed = {}
+    with ThreadPoolExecutor(n) as ex:
+        for sid, rc, text in ex.map(one, todo):
+            if rc != 0:
+                failed[sid] = text.strip()[-3000:]
+    return failed
 
 
 def import_module_from(path: Path, name: str):

@@ -5,6 +5,13 @@
     kdalab tour                 every stage this machine can run: build, check, time, profile -> reports/
     kdalab bench ...            latency sweep to a JSON results file (used on the GPU)
     kdalab results              the recorded results table (the README's table is this output)
+
+Exit codes: 0 done (checks passed); 1 a check failed, or nothing could be
+measured; 2 a usage error (one line on stderr); 3 compiled but NOT checked (the
+stage needs a GPU this machine lacks); 4 the stage does not compile (the
+compiler's error lines are printed).
+
+torch is imported only by the commands that need it, so ``--help`` is quick.
 """
 
 from __future__ import annotations
@@ -14,18 +21,41 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_CHECKED, EXIT_COMPILE = 0, 1, 2, 3, 4
 
-from . import checks, report
-from .paths import REPORTS_DIR
-from .stages import STAGE_DIRS, load_stage, normalize, previous
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line too
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _stage_id(s) -> str:
+    from .stages import normalize
+
+    try:
+        return normalize(s)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _stage_ids(csv: str, allow_fla: bool = False) -> list[str]:
+    ids = [s.strip() for s in csv.split(",") if s.strip()]
+    if not ids:
+        raise UsageError("--stages needs at least one stage id, e.g. --stages 00,01")
+    return [s if (allow_fla and s == "fla") else _stage_id(s) for s in ids]
+
+
 def _runnable(sid):
+    from .stages import load_stage
+
     try:
         spec = load_stage(sid).SPEC
     except FileNotFoundError as e:
@@ -35,74 +65,118 @@ def _runnable(sid):
 
 
 def cmd_list(args) -> int:
+    from .stages import STAGE_DIRS
+
     for sid, d in STAGE_DIRS.items():
         spec, ok, why = _runnable(sid)
         if spec is None:
             _say(f"{sid}  {d:<20} not built yet ({why})")
         else:
             _say(f"{sid}  {d:<20} {'runs here' if ok else 'cannot run here: ' + why}  -- {spec.title}")
-    return 0
+    return EXIT_OK
+
+
+def _build(stage, profile: bool, verbose: bool):
+    """Build a stage (and its profile variant when asked); None if it does not
+    compile (the compiler's error lines are printed)."""
+    from .build import CompileError
+
+    try:
+        ext = stage.build(verbose=verbose)
+        if profile and ext is not None:
+            stage.build(profile=True, verbose=verbose)
+        return True
+    except CompileError as e:
+        _say(f"COMPILE ERROR: {e}")
+        return None
 
 
 def cmd_check(args) -> int:
-    sid = normalize(args.stage)
+    from . import checks
+    from .stages import load_stage, previous
+
+    sid = _stage_id(args.stage)
     spec, ok, why = _runnable(sid)
-    if spec is None or not ok:
-        _say(f"stage {sid} cannot run here: {why}")
-        if spec is not None and "cuda" in spec.devices:
-            _say("compiling it instead, so a compile error still shows ...")
-            stage = load_stage(sid)
-            stage.build(verbose=args.verbose)
-            stage.build(profile=True, verbose=args.verbose)
-            _say(f"stage {sid} compiles (normal and profile builds); its checks need a GPU")
-            return 0
-        return 1
+    if spec is None:
+        raise UsageError(why)
     stage = load_stage(sid)
     t0 = time.time()
-    stage.build(verbose=args.verbose)
+    if _build(stage, args.profile, args.verbose) is None:
+        return EXIT_COMPILE
+    if not ok:
+        _say(f"stage {spec.name}: compiled{' (normal and profile builds)' if args.profile else ''}, "
+             f"NOT checked: needs a GPU ({why}).")
+        _say(f"Run `kdalab check {sid}` (or `pytest -m gpu`) on a machine with one.")
+        return EXIT_NOT_CHECKED
     pid = previous(sid)
-    if pid is not None:
-        load_stage(pid).build()
+    if pid is not None and _build(load_stage(pid), False, args.verbose) is None:
+        return EXIT_COMPILE
     cases = checks.cases_for(spec, checks.stage_device(spec), args.quick)
     _say(f"checking stage {spec.name} against the fp64 reference"
          f"{' and stage ' + load_stage(pid).SPEC.name if pid else ''} on {len(cases)} cases ...")
-    rows = []
-    for i, case in enumerate(cases, 1):
-        rows += checks.check_case(sid, case)
-        bad = [r for r in rows if r["case"] == case.id and not r["ok"]]
-        _say(f"  [{i}/{len(cases)}] {case.id}: {'ok' if not bad else 'FAIL ' + ', '.join(r['output'] for r in bad)}")
+
+    def progress(i, n, case, rows):
+        bad = [r for r in rows if not r["ok"]]
+        _say(f"  [{i}/{n}] {case.id}: {'ok' if not bad else 'FAIL ' + ', '.join(r['output'] for r in bad)}")
+
+    rows = checks.check_stage(sid, cases, progress=progress)
     _say("")
     _say(checks.format_rows(checks.summarize(rows), columns=("output", "err_ref", "err_prev", "tol", "ok", "cases")))
     failed = [r for r in rows if not r["ok"]]
     if failed:
         _say(f"FAILED: {len(failed)} of {len(rows)} comparisons above tolerance")
         _say(checks.format_rows(failed))
-        return 1
+        return EXIT_FAILED
     _say(f"stage {spec.name}: all {len(rows)} comparisons within {rows[0]['tol']:g} ({time.time() - t0:.0f} s)")
-    return 0
+    return EXIT_OK
 
 
 def cmd_tour(args) -> int:
-    wanted = [normalize(s) for s in args.stages.split(",")] if args.stages else list(STAGE_DIRS)
+    from . import report
+    from .paths import REPORTS_DIR
+    from .stages import STAGE_DIRS
+
+    wanted = _stage_ids(args.stages) if args.stages else list(STAGE_DIRS)
     out_dir = Path(args.out) if args.out else REPORTS_DIR
     result = report.tour(wanted, out_dir=out_dir, quick=args.quick, say=_say, record=args.record)
     _say("")
     _say(result["table"])
     _say(f"report written to {result['path']}")
-    return 0 if result["ok"] else 1
+    return EXIT_OK if result["ok"] else EXIT_FAILED
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    import torch
+
+    from . import bench, report
     from .results import metadata, save
+    from .stages import load_stage
 
     sweeps = {"cpu": bench.CPU_SWEEP, "fp32-gpu": bench.FP32_GPU_SWEEP, "tc-gpu": bench.TC_GPU_SHAPES}
-    ids = [s if s == "fla" else normalize(s) for s in args.stages.split(",")]
-    meta = metadata(command="kdalab " + " ".join(sys.argv[1:]))
-    tc = args.sweep == "tc-gpu"  # tensor-core stages: bf16 inputs, forward only (FLA too)
+    ids = _stage_ids(args.stages, allow_fla=True)
     shapes = sweeps[args.sweep]
     if args.shapes:
-        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+        try:
+            idx = [int(i) for i in args.shapes.split(",")]
+        except ValueError:
+            raise UsageError(f"--shapes takes comma-separated indices, got {args.shapes!r}") from None
+        bad = [i for i in idx if not 0 <= i < len(shapes)]
+        if bad:
+            raise UsageError(f"--shapes {bad[0]}: the {args.sweep} sweep has {len(shapes)} shapes "
+                             f"(0-{len(shapes) - 1})")
+        shapes = [shapes[i] for i in idx]
+    for sid in ids:
+        if sid == "fla":
+            continue
+        spec = load_stage(sid).SPEC
+        if args.chunk is not None and spec.chunk_sizes is not None and args.chunk not in spec.chunk_sizes:
+            raise UsageError(f"--chunk {args.chunk}: stage {spec.name} takes chunk sizes {list(spec.chunk_sizes)}")
+        if args.chunk is not None and spec.chunk_sizes is None and (args.chunk < 16 or args.chunk & (args.chunk - 1)):
+            raise UsageError(f"--chunk {args.chunk}: stage {spec.name} takes a power of two >= 16")
+        if args.gate is not None and args.gate not in spec.gates:
+            raise UsageError(f"--gate {args.gate}: stage {spec.name} has gates {list(spec.gates)}")
+    meta = metadata(command="kdalab " + " ".join(sys.argv[1:]))
+    tc = args.sweep == "tc-gpu"  # tensor-core stages: bf16 inputs, forward only (FLA too)
     rows = bench.sweep(ids, shapes, gate=args.gate, chunk=args.chunk,
                        dtype=torch.bfloat16 if tc else torch.float32,
                        backward=False if (tc or args.forward_only) else None,
@@ -111,10 +185,18 @@ def cmd_bench(args) -> int:
     path = save(args.out, rows, meta)
     _say(report.latency_table(rows))
     _say(f"wrote {path}")
-    return 0
+    failed = [r for r in rows if r.get("error")]
+    for r in failed:
+        _say(f"NOT MEASURED: {r['stage']} {bench.shape_label(r)}: {r['error']}")
+    if len(failed) == len(rows):
+        _say("nothing was measured")
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def cmd_results(args) -> int:
+    from . import report
+
     if args.write_readme:
         from .paths import REPO_ROOT
 
@@ -122,18 +204,22 @@ def cmd_results(args) -> int:
         _say("README.md results block " + ("updated" if changed else "already up to date"))
         for p in report.write_figures(REPO_ROOT):
             _say(f"wrote {p.relative_to(REPO_ROOT)}")
-        return 0
+        return EXIT_OK
     _say(report.results_markdown())
-    return 0
+    return EXIT_OK
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kdalab", description="KDA Lab: build, check, time and profile the stages")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kdalab", description="KDA Lab: build, check, time and profile the stages",
+                epilog="exit codes: 0 ok; 1 a check failed or nothing was measured; 2 usage error; "
+                       "3 compiled but not checked (needs a GPU); 4 compile error",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     sub.add_parser("list", help="the stages and whether this machine can run each").set_defaults(fn=cmd_list)
     c = sub.add_parser("check", help="rebuild one stage and run its checks")
     c.add_argument("stage", help="stage id, e.g. 01 or 01_cpp")
     c.add_argument("--quick", action="store_true", help="fewer cases")
+    c.add_argument("--profile", action="store_true", help="also compile the profile build (-DKDA_PROFILE)")
     c.add_argument("--verbose", action="store_true", help="show the compiler's output")
     c.set_defaults(fn=cmd_check)
     t = sub.add_parser("tour", help="build, check, time and profile every stage this machine can run")
@@ -157,8 +243,16 @@ def main(argv=None) -> int:
     r = sub.add_parser("results", help="print the recorded results table")
     r.add_argument("--write-readme", action="store_true", help="rewrite the results block of README.md")
     r.set_defaults(fn=cmd_results)
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        return args.fn(args)
+    except UsageError as e:
+        print(f"kdalab: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

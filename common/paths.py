@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STAGES_DIR = REPO_ROOT / "stages"
+STAGES_DIR = Path(os.environ.get("KDALAB_STAGES_DIR", REPO_ROOT / "stages"))  # a copy, for planted-bug tests
 RESULTS_DIR = REPO_ROOT / "results"  # recorded figures, committed
 REPORTS_DIR = Path(os.environ.get("KDALAB_REPORTS", REPO_ROOT / "reports"))  # generated
 BUILD_DIR = Path(os.environ.get("KDALAB_BUILD", REPO_ROOT / "build"))  # extension builds
