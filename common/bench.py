@@ -40,6 +40,14 @@ def sweep_for(spec, device, quick: bool = False):
     return FP32_GPU_SWEEP
 
 
+def progress_bar(items, desc: str, unit: str):
+    """A text progress bar (tqdm) on stdout: it shows in a terminal, a notebook
+    and an executed notebook alike (no widget), and is gone when done."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, leave=False, file=sys.stdout, ncols=90, mininterval=1.0)
+
+
 def shape_label(s: dict) -> str:
     return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
 
@@ -53,6 +61,46 @@ def best_ms(row: dict, y: str = "fwd"):
     it was measured, else the eager time; None if neither."""
     g = row.get(f"{y}_graph_ms")
     return g if g is not None else row.get(f"{y}_ms")
+
+
+def predicted_s(row: dict) -> float | None:
+    """About how many seconds bench_stage spends on a shape, from a recorded
+    row of the same stage and shape: warm-up plus timed calls, forward and
+    backward (see _timed). None when the row has no time."""
+    total, known = 0.0, False
+    for y in ("fwd", "bwd"):
+        ms = row.get(f"{y}_ms")
+        if ms is None:
+            continue
+        known, s = True, ms / 1e3
+        if s > VERY_LONG_CALL_S:
+            total += 3 * s  # warm-up and two timed calls
+        elif s > LONG_CALL_S:
+            total += 5 * s  # warm-up, sizing call, three repetitions
+        else:
+            total += 1.0  # repetitions bounded by the budget, graph capture
+    return total if known else None
+
+
+def fit_budget(name: str, shapes, recorded, budget_s: float):
+    """Split a sweep into the shapes to time live and the recorded rows shown
+    for the rest: shapes are taken in order while the time predicted from
+    ``recorded`` (rows of any stage; those of ``name`` are used) stays within
+    ``budget_s``. A shape with no recorded time is timed. Returns (live
+    shapes, recorded rows for the skipped shapes, predicted seconds of the
+    live part, predicted seconds of the skipped part)."""
+    mine = {shape_label(r): r for r in recorded if r.get("stage") == name and best_ms(r) is not None}
+    live, skipped, spent, left = [], [], 0.0, 0.0
+    for shape in shapes:
+        row = mine.get(shape_label(shape))
+        need = predicted_s(row) if row is not None else None
+        if need is None or spent + need <= budget_s:
+            live.append(shape)
+            spent += need or 0.0
+        else:
+            skipped.append(row)
+            left += need
+    return live, skipped, spent, left
 
 
 def _timed(fn, device, budget_s: float, graph: bool) -> dict:
@@ -152,12 +200,15 @@ def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, 
     return row
 
 
-def sweep(stage_ids, shapes, *, progress=None, on_row=None, **kw) -> list[dict]:
+def sweep(stage_ids, shapes, *, progress=None, on_row=None, bar: bool = False, **kw) -> list[dict]:
     """bench_stage over stages x shapes; ``on_row(rows)`` after each row (to save
-    as it goes)."""
+    as it goes); ``bar`` shows a tqdm progress bar."""
     rows = []
     for sid in stage_ids:
-        for shape in shapes:
+        it = shapes
+        if bar:
+            it = progress_bar(shapes, f"timing {sid}", "shape")
+        for shape in it:
             if progress is not None:
                 progress(f"{sid} {shape_label(shape)}")
             try:

@@ -1,19 +1,50 @@
 """What the notebooks call: each function measures live when this machine can
 run the stage, and otherwise shows the recorded GPU figures, labelled as
-recorded (device, date, commit, command). Notebooks stay narrative + calls."""
+recorded (device, date, commit, command). Notebooks stay narrative + calls.
+
+On a GPU the live parts stay within minutes: a latency sweep times the shapes
+that fit a time budget (predicted from the recorded figures) and shows the
+recorded figures for the rest, labelled; checks and sweeps show a progress
+bar. FLA's Triton kernels autotune for minutes on a machine's first use, so
+live FLA timing is opt-in (KDALAB_LIVE_FLA=1) and announced before it starts.
+
+Every function that draws is marked with :func:`figure`; the notebook tests
+(common/nbcheck.py) fail a cell that calls one and shows no image.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pandas as pd
 import torch
 
 from . import bench, checks, results
+from .bench import progress_bar
 from .build import resource_usage
 from .fla_ref import fla_available
-from .plotting import plot_bars, plot_latency, plot_profile
+from .paths import STAGES_DIR
+from .plotting import plot_bars, plot_latency, plot_profile, split_bars
 from .report import PROFILE_SHAPE
 from .stages import STAGE_DIRS, load_stage, previous
-from .paths import STAGES_DIR
+
+FIGURES: set = set()  # names of the functions below that draw a figure
+
+
+def figure(fn):
+    """Mark a notebook function that draws: a cell calling it must show an image."""
+    FIGURES.add(fn.__name__)
+    return fn
+
+
+LIVE_FLA_ENV = "KDALAB_LIVE_FLA"
+# How long FLA's first call per (H, K) family took on a fresh H200 (Triton
+# compiles and autotunes; results/h200/fp32_stages.json meta and the stop notes
+# of 2026-11-29): fp32 forward ~80 s, fp32 backward ~230 s, bf16 forward at the
+# six tensor-core shapes ~5 minutes in all.
+FLA_FIRST_USE = {"fp32": "about 80 s per (H, K) family for the forward",
+                 "bf16": "about 5 minutes in all for the six tensor-core shapes (four (H, K) families)"}
+LIVE_BUDGET_S = 60.0  # seconds of live timing per latency figure on a GPU
 
 
 def environment() -> str:
@@ -38,6 +69,30 @@ def _recorded(name):
     return (data["meta"], data["rows"]) if data else (None, [])
 
 
+def fla_live() -> tuple[bool, str]:
+    """(True, "") if FLA is timed live here, else (False, why not)."""
+    ok, why = fla_available()
+    if not ok:
+        return False, why
+    if os.environ.get(LIVE_FLA_ENV) != "1":
+        return False, (f"live FLA timing is opt-in: set {LIVE_FLA_ENV}=1 before starting Jupyter (its first use "
+                       "on a machine autotunes Triton kernels for minutes)")
+    return True, ""
+
+
+_FLA_ANNOUNCED: set = set()
+
+
+def _announce_fla(regime: str, shapes) -> None:
+    fams = sorted({(s["H"], s["K"]) for s in shapes})
+    new = [f for f in fams if (regime, f) not in _FLA_ANNOUNCED]
+    if new:
+        print(f"FLA chunk_kda ({regime}): the first call for each (H, K) family compiles and autotunes its Triton "
+              f"kernels on this machine, {FLA_FIRST_USE[regime]} ({len(new)} new here: "
+              + ", ".join(f"H={h} K={k}" for h, k in new) + "); later calls reuse Triton's cache.", flush=True)
+        _FLA_ANNOUNCED.update((regime, f) for f in new)
+
+
 def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
     """Worst relative error per output against the fp64 reference and the
     previous stage. Live when the stage runs here, else recorded."""
@@ -47,14 +102,16 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
     if ok:
         dev = checks.stage_device(spec)
         cases = checks.cases_for(spec, dev, quick)
-        rows = checks.check_stage(stage_id, cases)
+        rows = []
+        for case in progress_bar(cases, f"checking {spec.name}", "case"):
+            rows += checks.check_case(stage_id, case)
         worst = checks.summarize(rows)
         bad = [r for r in rows if not r["ok"]]
         print(f"measured live on {dev}: {len(cases)} cases, {len(rows)} comparisons, "
               f"{'all within ' + format(worst[0]['tol'], 'g') if not bad else str(len(bad)) + ' ABOVE tolerance'}")
     else:
         meta, rows = _recorded("checks")
-        worst = [r for r in rows if r.get("stage") == spec.name]
+        worst = [r for r in rows if r.get("stage") == spec.name and "err_ref" in r]
         if not worst:
             print(f"{spec.name} cannot run here ({why}) and has no recorded checks yet")
             return pd.DataFrame()
@@ -64,9 +121,25 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
     return df[cols].style.format({"err_ref": "{:.2e}", "err_prev": "{:.2e}", "tol": "{:.0e}"}, na_rep="-")
 
 
+def fla_error_table(stage_id) -> pd.DataFrame:
+    """A tensor-core stage against FLA's chunk_kda on the same bf16 inputs, as
+    recorded on the H200 (tests/test_gpu_stages.py checks it live there)."""
+    meta, rows = _recorded("checks")
+    name = load_stage(stage_id).SPEC.name
+    mine = [r for r in rows if r.get("stage") == name and "err_fla" in r]
+    if not mine:
+        print(f"no recorded comparison of {name} with FLA")
+        return pd.DataFrame()
+    print(results.label(meta))
+    df = pd.DataFrame(mine)[["output", "err_fla", "fla_err_ref", "tol_fla", "ok", "cases"]]
+    return df.style.format({"err_fla": "{:.2e}", "fla_err_ref": "{:.2e}", "tol_fla": "{:.0e}"}, na_rep="-")
+
+
+@figure
 def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
-    """Stacked bars of the region profile of a stage next to the previous one
-    (same unit only). Live when possible, else recorded."""
+    """The region profile of a stage next to the previous one (same unit only),
+    one bar per kernel or direction: each region's share, the bar's total at
+    its right. Live when possible, else recorded."""
     ids = [stage_id]
     pid = previous(stage_id)
     if compare_previous and pid is not None:
@@ -82,6 +155,9 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         if ok:
             dev = checks.stage_device(spec)
             kw = checks.stage_inputs(spec, **PROFILE_SHAPE[dev.type], device=dev)
+            print(f"profiling {spec.name} live on {dev} at {bench.shape_label(PROFILE_SHAPE[dev.type])} ...",
+                  flush=True)
+            build(sid)
             profs[spec.name] = load_stage(sid).profile(**kw, backward=backward and spec.backward)
             notes.append(f"{spec.name}: live on {dev}")
         else:
@@ -97,99 +173,123 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         print("recorded: " + results.label(meta))
     if not profs:
         return None
-    profs = split_parallel(profs)
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(4.5 + 2.6 * len(profs), 4.2))
+    bars = {}
+    for name, prof in profs.items():
+        bars.update(split_bars(name, prof))
     what = "wall time" if unit == "s" else "clock64 cycles per block"
-    plot_profile(profs, unit, title=f"Region profile ({what})", ax=a1)
-    a1.get_legend().remove()
-    plot_profile(profs, unit, title="Share of each region", ax=a2, normalize=True)
-    fig.tight_layout()
-    return a1
+    return plot_profile(bars, unit, title=f"Where the time goes ({what}), {bench.shape_label(shape)}")
 
 
-def split_parallel(profs: dict) -> dict:
-    """A warp-specialised kernel has two timelines in one block: the compute
-    warps' and the load warp's (regions named "... load warp: ..."). Stacking
-    them would add up time that overlaps, so the load warp gets its own bar."""
-    out = {}
-    for label, prof in profs.items():
-        main = {k: v for k, v in prof.items() if "load warp" not in k}
-        side = {k: v for k, v in prof.items() if "load warp" in k}
-        out[label] = main
-        if side:
-            out[f"{label}\n(load warp)"] = side
-    return out
+_LIVE: dict = {}  # live sweeps, measured once per notebook session
+_GATHERED: dict = {}  # (live rows, recorded rows, notes) per figure's stages
 
 
-def latency(stage_ids, *, y: str = "fwd", title=None):
-    """Latency against T for a few stages: live for the stages that run here
-    (CPU sweep on a CPU), recorded H200 figures for the rest. ``y`` is "fwd"
-    or "bwd": GPU time (graph replay) where there is one, else the eager time."""
-    live_rows, rec_rows = [], []
-    meta, rec = _recorded("fp32_stages")
-    for sid in stage_ids:
+def _live_sweep(sid, shapes, tc: bool = False):
+    """A live latency sweep, measured once per notebook session and reused.
+    FLA is timed forward only (its fp32 backward autotunes for minutes; the
+    recorded backward rows are in results/h200/fp32_stages.json).
+    ``tc``: the tensor-core regime (bf16 inputs, bounded gate, chunk 16, forward)."""
+    key = (sid, tc, tuple(tuple(sorted(x.items())) for x in shapes))
+    if key not in _LIVE:
         if sid == "fla":
-            if fla_available()[0]:
-                live_rows += _live_sweep("fla", bench.FP32_GPU_SWEEP)
-            else:
-                rec_rows += [r for r in rec if r.get("stage") == "FLA chunk_kda"]
-            continue
-        spec = load_stage(sid).SPEC
-        ok, _ = spec.runnable_here()
-        if ok:
-            dev = checks.stage_device(spec)
-            live_rows += _live_sweep(sid, bench.sweep_for(spec, dev))
+            _announce_fla("bf16" if tc else "fp32", shapes)
+        kw = dict(dtype=torch.bfloat16, gate="bounded", chunk=16, backward=False) if tc else \
+            dict(backward=False if sid == "fla" else None)
+        _LIVE[key] = bench.sweep([sid], shapes, budget_s=0.3, bar=True, **kw)
+    return [dict(r) for r in _LIVE[key]]
+
+
+def _stage_name(sid) -> str:
+    return "FLA chunk_kda" if sid == "fla" else load_stage(sid).SPEC.name
+
+
+def _gather(stage_ids, shapes_for, recorded, tc: bool, budget_s: float):
+    """Rows to plot for some stages: live where the stage (or FLA, when opted
+    in) runs here, within ``budget_s`` seconds in all (the last stage, the
+    notebook's own, first), recorded for the rest. Returns (live rows,
+    recorded rows, notes)."""
+    live, rec, notes = [], [], []
+    left = budget_s
+    for sid in reversed(list(stage_ids)):
+        name = _stage_name(sid)
+        mine = [dict(r) for r in recorded if r.get("stage") == name]
+        if sid == "fla":
+            ok, why = fla_live()
         else:
-            rec_rows += [r for r in rec if r.get("stage") == spec.name]
-    figs = []
-    key = f"{y}_best_ms"
-    for rows, where in ((live_rows, "measured live"), (rec_rows, "recorded")):
-        for r in rows:
-            r[key] = bench.best_ms(r, y)
-        rows = [dict(r, series=f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})" + _eager_mark(r, y)) for r in rows
-                if r.get(key) is not None]
-        sweep_rows = [r for r in rows if not (r["H"] == 64 and r["K"] == 128)]
-        if not sweep_rows:
+            spec = load_stage(sid).SPEC
+            ok, why = spec.runnable_here()
+        if not ok:
+            rec += mine
+            notes.append(f"{name}: recorded ({why})")
             continue
-        ax = plot_latency(sweep_rows, y=key, by="series", ylabel=f"{y} ms (GPU time where measured)",
-                          title=(title or f"{y} latency vs T") + f" ({where})")
-        figs.append(ax)
-        if where == "recorded" and meta is not None:
-            print("recorded: " + results.label(meta))
-    if not figs:
+        dev = "cuda" if sid == "fla" else checks.stage_device(load_stage(sid).SPEC).type
+        shapes = shapes_for(sid, dev)
+        now, skipped, need, rest = bench.fit_budget(name, shapes, recorded if dev == "cuda" else [], left)
+        if now:
+            print(f"timing {name} live on {dev} at {len(now)} of {len(shapes)} shapes"
+                  + (f" (about {need:.0f} s)" if need else "") + " ...", flush=True)
+            live += _live_sweep(sid, now, tc=tc)
+        left -= need
+        if skipped:
+            rec += skipped
+            notes.append(f"{name}: {len(skipped)} shape(s) recorded, not timed live (about {rest:.0f} s more than "
+                         f"the {budget_s:.0f} s budget of this figure)")
+    return live, rec, notes
+
+
+@figure
+def latency(stage_ids, *, y: str = "fwd", title=None, budget_s: float = LIVE_BUDGET_S):
+    """Latency against T for a few stages (and "fla"): live for what runs here
+    (within ``budget_s`` seconds on a GPU), recorded H200 figures for the rest,
+    in one figure with recorded lines dashed. ``y`` is "fwd" or "bwd": GPU time
+    (graph replay) where there is one, else the eager time."""
+    meta, rec = _recorded("fp32_stages")
+
+    def shapes_for(sid, dev):
+        return bench.FP32_GPU_SWEEP if sid == "fla" else bench.sweep_for(load_stage(sid).SPEC, dev)
+
+    key = (tuple(stage_ids), budget_s)
+    if key not in _GATHERED:
+        _GATHERED[key] = _gather(stage_ids, shapes_for, rec, False, budget_s)
+    live_rows, rec_rows, notes = _GATHERED[key]
+    for n in notes:
+        print(n)
+    if rec_rows and meta is not None:
+        print("recorded: " + results.label(meta))
+    ykey = f"{y}_best_ms"
+    rows, style = [], {}
+    live_labels = {(r["stage"], bench.shape_label(r)) for r in live_rows}
+    for r, where in [(r, "live") for r in live_rows] + [(r, "recorded") for r in rec_rows]:
+        if where == "recorded" and (r["stage"], bench.shape_label(r)) in live_labels:
+            continue
+        if r["H"] == 64 and r["K"] == 128:  # the seed's shape: one point, shown by the ladder, not a T sweep
+            continue
+        v = bench.best_ms(r, y)
+        if v is None:
+            continue
+        series = (f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']}, {'live' if where == 'live' else 'recorded H200'})"
+                  + _eager_mark(r, y))
+        rows.append(dict(r, **{ykey: v, "series": series}))
+        style[series] = {} if where == "live" else {"linestyle": "--"}
+    if not rows:
         print("no latency figures for these stages on this machine yet")
-    return figs
+        return None
+    what = "GPU time where measured" if any(r.get("device", "cuda") != "cpu" for r in rows) else "wall time"
+    return plot_latency(rows, y=ykey, by="series", style=style, ylabel=f"{y} ms ({what})",
+                        title=title or f"{'Forward' if y == 'fwd' else 'Backward'} latency against T")
 
 
 def _eager_mark(row: dict, y: str) -> str:
     """' eager' for a row timed without graph replay although a call is short
     enough for launch overhead to count (FLA's backward goes through autograd)."""
     short = row.get(f"{y}_ms") is not None and row[f"{y}_ms"] < 1e3 * bench.LONG_CALL_S
-    return " eager" if short and row.get(f"{y}_graph_ms") is None else ""
-
-
-_LIVE: dict = {}
-
-
-def _live_sweep(sid, shapes, tc: bool = False):
-    """A live latency sweep, measured once per notebook session and reused.
-    FLA is timed forward only: its fp32 backward autotunes for about five minutes on a
-    fresh H200 (recorded FLA backward rows are in results/h200/fp32_stages.json).
-    ``tc``: the tensor-core regime (bf16 inputs, bounded gate, chunk 16, forward)."""
-    key = (sid, tc, tuple(tuple(sorted(x.items())) for x in shapes))
-    if key not in _LIVE:
-        kw = dict(dtype=torch.bfloat16, gate="bounded", chunk=16, backward=False) if tc else \
-            dict(backward=False if sid == "fla" else None)
-        _LIVE[key] = bench.sweep([sid], shapes, budget_s=0.3, **kw)
-    return [dict(r) for r in _LIVE[key]]
+    return " eager" if short and row.get(f"{y}_graph_ms") is None and row.get("device") != "cpu" else ""
 
 
 def latency_rows(stage_ids, name: str = "fp32_stages") -> pd.DataFrame:
     """The recorded latency rows of some stages as a table."""
     meta, rec = _recorded(name)
-    names = [("FLA chunk_kda" if s == "fla" else load_stage(s).SPEC.name) for s in stage_ids]
+    names = [_stage_name(s) for s in stage_ids]
     rows = [r for r in rec if r.get("stage") in names]
     if meta is not None:
         print("recorded: " + results.label(meta))
@@ -210,60 +310,67 @@ def resources(stage_id) -> pd.DataFrame:
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
 
 
-def _anchor_rows(fla_measured_at=frozenset()):
-    """FLA / FlashKDA figures measured on the same H200 before this project
-    (results/anchors/), as rows like the benchmark's. FLA's anchor is left out
-    at the shapes (bench.shape_label) where FLA itself was measured."""
-    from .paths import RESULTS_DIR
-    import json
-
+def anchor_rows(fla_measured_at=frozenset()):
+    """FLA / FlashKDA figures of the newest anchor file (results/anchors/,
+    measured on the same H200 beside the stages), as rows like the benchmark's.
+    FLA's anchor is left out at the shapes (bench.shape_label) where FLA itself
+    was measured by this project."""
+    data, path = results.newest_anchor()
     rows = []
-    for p in sorted((RESULTS_DIR / "anchors").glob("*.json")):
-        data = json.loads(p.read_text())
-        for r in data.get("rows", []):
-            shape = dict(B=r["B"], T=r["T"], H=r["H"], K=r["D"], V=r["D"])
-            if r.get("fla_safe_graph_ms") is not None and bench.shape_label(shape) not in fla_measured_at:
-                rows.append(dict(stage="FLA chunk_kda (bf16, safe gate; anchor)", **shape,
-                                 fwd_graph_ms=r["fla_safe_graph_ms"], fwd_ms=r.get("fla_safe_ms")))
-            if r.get("flashkda_graph_ms") is not None:
-                rows.append(dict(stage="FlashKDA (anchor)", **shape, fwd_graph_ms=r["flashkda_graph_ms"],
-                                 fwd_ms=r.get("flashkda_ms")))
+    for r in (data or {}).get("rows", []):
+        shape = dict(B=r["B"], T=r["T"], H=r["H"], K=r["D"], V=r["D"])
+        fla, fk = r.get("fla_ms", r.get("fla_safe_graph_ms")), r.get("flashkda_ms", r.get("flashkda_graph_ms"))
+        if fla is not None and bench.shape_label(shape) not in fla_measured_at:
+            rows.append(dict(stage=FLA_TC + " (anchor)", **shape, fwd_graph_ms=fla, anchor=path.name))
+        if fk is not None:
+            rows.append(dict(stage="FlashKDA (anchor)", **shape, fwd_graph_ms=fk, anchor=path.name,
+                             peak_mb=r.get("flashkda_peak_mb")))
     return rows
 
 
+@figure
 def tc_latency(stage_ids=("05",)):
-    """Tensor-core stages against FLA and FlashKDA at the six H200 shapes, GPU
-    time (graph replay) where measured, else eager. On a GPU the stages (and
-    FLA, when fla-core is installed) are measured live; otherwise the recorded
-    figures are shown: the stages and FLA as measured on one H200 lease, and
-    FlashKDA (not installable here) from results/anchors/."""
+    """Tensor-core stages against FLA and FlashKDA at the H200 shapes, GPU time
+    (graph replay) where measured, else eager. On a GPU the stages are measured
+    live (FLA too when opted in); otherwise the recorded figures are shown: the
+    stages and FLA as measured on one H200 lease, and FlashKDA (not
+    installable here) from the newest file in results/anchors/."""
     meta, rec = _recorded("tc_stages")
-    rows, where = [], "recorded"
-    if torch.cuda.is_available():
-        where = "measured live"
-        for sid in stage_ids:
-            rows += _live_sweep(sid, bench.TC_GPU_SHAPES, tc=True)
-        if fla_available()[0]:
-            rows += _live_sweep("fla", bench.TC_GPU_SHAPES, tc=True)
-    else:
-        names = [load_stage(s).SPEC.name for s in stage_ids] + ["FLA chunk_kda"]
-        rows = [dict(r) for r in rec if r.get("stage") in names]
+    ids = list(stage_ids) + ["fla"]
+
+    def shapes_for(sid, dev):
+        return bench.TC_GPU_SHAPES
+
+    key = ("tc", tuple(ids))
+    if key not in _GATHERED:
+        _GATHERED[key] = _gather(ids, shapes_for, rec, True, LIVE_BUDGET_S)
+    live_rows, rec_rows, notes = _GATHERED[key]
+    for n in notes:
+        print(n)
+    if rec_rows and meta is not None:
+        print("recorded: " + results.label(meta))
+    rows = [dict(r, where="live") for r in live_rows] + [dict(r, where="recorded") for r in rec_rows]
     for r in rows:
         if r["stage"] == "FLA chunk_kda":
             r["stage"] = FLA_TC
-    rows += _anchor_rows({bench.shape_label(r) for r in rows if r["stage"] == FLA_TC})
+        if r["where"] == "recorded" and live_rows:
+            r["stage"] += " (recorded)"
+    rows += anchor_rows({bench.shape_label(r) for r in rows if r["stage"].startswith(FLA_TC)})
+    data, path = results.newest_anchor()
+    if data is not None:
+        print(f"FlashKDA{' and FLA where not measured' if any('FLA' in r['stage'] and 'anchor' in r['stage'] for r in rows) else ''}: "
+              f"anchors measured on the H200 ({path.name}: {data.get('date', '')}, {data.get('device', '')})")
     for r in rows:
         r["shape"] = bench.shape_label(r)
         r["ms"] = bench.best_ms(r)
-    if where == "recorded" and meta is not None:
-        print("recorded: " + results.label(meta))
-    print("FlashKDA (and FLA where not measured): anchors measured on the same H200 (results/anchors/, 2026-11-29)")
+    where = "measured live" if live_rows else "recorded"
     ax = plot_bars(rows, x="shape", y="ms", by="stage",
-                   title=f"Forward latency on the H200 (GPU time, ms; {where})", ylabel="ms")
+                   title=f"Forward latency on the H200 (GPU time, ms; stages {where})", ylabel="ms")
     df = pd.DataFrame(rows)
     return ax, df.pivot_table(index="shape", columns="stage", values="ms", sort=False)
 
 
+@figure
 def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
     """The whole ladder at one shape, from the recorded figures: forward
     latency per stage (GPU time where recorded) plus the references."""
@@ -278,8 +385,8 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
                 rows.append(dict(stage=label, fwd_ms=bench.best_ms(r), bwd_ms=bench.best_ms(r, "bwd"),
                                  note=r.get("error") or r.get("note") or ""))
     fla_at = {bench.shape_label(shape)} if any(r["stage"] == FLA_TC for r in rows) else frozenset()
-    rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor")
-             for r in _anchor_rows(fla_at) if all(r.get(k) == v for k, v in shape.items())]
+    rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor " + r["anchor"])
+             for r in anchor_rows(fla_at) if all(r.get(k) == v for k, v in shape.items())]
     order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
     rows.sort(key=lambda r: order.get(r["stage"], 100))
     df = pd.DataFrame(rows)
@@ -288,6 +395,8 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.barh(ok["stage"], ok["fwd_ms"])
+    for y, v in enumerate(ok["fwd_ms"]):
+        ax.text(v * 1.1, y, f"{v:.3g} ms", va="center", fontsize=7)
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("forward ms (log scale)")

@@ -1,58 +1,111 @@
-"""The plots of the notebooks and the tour: region profiles as stacked bars and
-latency curves. One colour per region name across every stage, so the same
-phase looks the same in every figure."""
+"""The plots of the notebooks and the tour: region profiles, latency curves,
+grouped bars and the fragment maps of stage 07.
+
+- No backend is chosen here: a notebook's own (``%matplotlib inline``, VS Code,
+  nbconvert, nbval) shows every figure, and the command line picks Agg itself.
+- One colour per region name in every figure: a region belongs to a phase
+  family of the chunked algorithm (DESIGN.md section 3), one hue per family,
+  and its shade within the family is fixed by REGION_COLORS below, whatever
+  else a figure shows.
+- A profile is drawn as each bar's shares (one bar per stage and kernel or
+  direction), with the bar's total written beside it, so a 20 ms bar and a
+  0.2 ms bar are equally readable.
+"""
 
 from __future__ import annotations
 
-import matplotlib
+import zlib
 
-if not matplotlib.get_backend().lower().startswith(("module://", "nbagg", "ipympl", "widget")):
-    matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-_PALETTE = plt.get_cmap("tab20").colors
+# Phase families: colormap -> region names, in the order their shades are given.
+_FAMILIES = {
+    "Blues": ["fwd: pre-stage", "K1: load+pre-stage", "bwd: pre-stage adjoint"],
+    "Oranges": ["fwd: WY transform", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store", "bwd: WY adjoint",
+                "bwd: WY/Aqk adjoint"],
+    "Greens": ["fwd: Aqk", "bwd: autograd", "bwd: recompute"],
+    "Reds": ["fwd: recurrence", "K2: w@S", "K2: qd@S", "K2: qd@S + Aqk@vcorr", "K2: o store", "bwd: recurrence",
+             "bwd: reverse recurrence"],
+    "Purples": ["K2: vcorr", "K2: Aqk@vcorr", "K2: kr^T@vcorr", "K2: S decay", "K2: S update", "K2: S to bf16"],
+    "Greys": ["K2: loads / barriers", "K2: wait for operands", "K2 load warp: wait for a free slot",
+              "K2 load warp: issue cp.async"],
+}
 
 
-def _region_colors(names):
-    known = {}
-    for i, n in enumerate(sorted(set(names))):
-        known[n] = _PALETTE[i % len(_PALETTE)]
-    return known
+def _shades(cmap: str, n: int):
+    """n shades of a sequential colormap between light and dark, interleaved so
+    that neighbours in the list differ most."""
+    cm = plt.get_cmap(cmap)
+    levels = [0.4 + 0.5 * i / max(n - 1, 1) for i in range(n)]
+    order = levels[0::2] + levels[1::2]
+    return [cm(x) for x in order]
+
+
+REGION_COLORS = {name: color for cmap, names in _FAMILIES.items() for name, color in zip(names, _shades(cmap, len(names)))}
+_FALLBACK = plt.get_cmap("tab10").colors
+
+
+def region_color(name: str):
+    """The colour of a region name, the same in every figure. A name no family
+    lists (a region a student adds) gets a fixed colour from its hash."""
+    return REGION_COLORS.get(name) or _FALLBACK[zlib.crc32(name.encode()) % len(_FALLBACK)]
+
+
+def bar_group(region: str) -> str:
+    """The bar a region is drawn in: the text before its colon ("fwd", "bwd",
+    "K1", "K2", "K2 load warp"). Regions of different kernels or directions
+    are not added up: their times are per block of different grids, or run
+    in parallel."""
+    return region.split(":", 1)[0].strip() if ":" in region else ""
+
+
+def split_bars(label: str, prof: dict) -> dict:
+    """{label group: {region: value}}: one bar per kernel or direction."""
+    out: dict = {}
+    for region, v in prof.items():
+        g = bar_group(region)
+        out.setdefault(f"{label} {g}".strip(), {})[region] = v
+    return out
+
+
+def format_total(value: float, unit: str) -> str:
+    if unit == "s":
+        ms = value * 1e3
+        return f"{ms:.3g} ms" if ms < 1e4 else f"{value:.3g} s"
+    return f"{value:.2g} cycles"
 
 
 def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the time goes", ax=None,
-                 normalize: bool = False):
-    """Stacked bars: one bar per label (stage), one segment per region.
-
-    profiles: {label: {region: value}}; unit: "s", "ms" or "cycles".
-    With ``normalize`` each bar is shown as fractions of its total.
-    """
-    if ax is None:
-        _, ax = plt.subplots(figsize=(1.8 + 1.6 * len(profiles), 4.2))
-    regions = []
-    for prof in profiles.values():
-        regions += [r for r in prof if r not in regions]
-    colors = _region_colors(regions)
+                 min_label: float = 0.07):
+    """One horizontal bar per entry of ``profiles`` ({bar label: {region: value}}),
+    showing each region's share of the bar; the bar's total is written at its
+    right ("ms" of wall time for unit "s", clock64 "cycles" otherwise).
+    Segments wider than ``min_label`` carry their region's short name."""
     labels = list(profiles)
-    scale = 1e3 if unit == "s" else 1.0
-    shown_unit = "ms" if unit == "s" else unit
-    for x, lab in enumerate(labels):
-        prof = profiles[lab]
-        total = sum(prof.values()) or 1.0
-        bottom = 0.0
-        for r in regions:
-            val = prof.get(r, 0.0)
-            val = val / total if normalize else val * scale
-            ax.bar(x, val, bottom=bottom, color=colors[r], label=r, width=0.6, edgecolor="white", linewidth=0.5)
-            bottom += val
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("fraction of total" if normalize else shown_unit)
-    ax.set_title(title)
-    handles, names = ax.get_legend_handles_labels()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * len(labels)))
     seen = {}
-    for h, n in zip(handles, names):
-        seen.setdefault(n, h)
-    ax.legend(seen.values(), seen.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for y, lab in enumerate(labels):
+        prof = {r: v for r, v in profiles[lab].items() if v > 0}
+        total = sum(prof.values())
+        left = 0.0
+        for region, v in prof.items():
+            share = v / total
+            bar = ax.barh(y, share, left=left, color=region_color(region), edgecolor="white", linewidth=0.8,
+                          height=0.7)
+            seen.setdefault(region, bar)
+            if share >= min_label:
+                short = region.split(":", 1)[-1].strip()
+                ax.text(left + share / 2, y, short, ha="center", va="center", fontsize=7, clip_on=True)
+            left += share
+        ax.text(1.01, y, format_total(total, unit), va="center", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of the bar's total (total at the right: "
+                  + ("wall time" if unit == "s" else "clock64 cycles per block") + ")")
+    ax.set_title(title)
+    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.12, 1.0), frameon=False)
     ax.figure.tight_layout()
     return ax
 
@@ -62,7 +115,7 @@ def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title:
                  ylabel: str | None = None, style: dict | None = None):
     """One line per value of ``by`` through the points (row[x], row[y])."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 4.2))
+        _, ax = plt.subplots(figsize=(7.2, 4.4))
     groups: dict = {}
     for r in rows:
         if r.get(y) is None:
@@ -80,7 +133,7 @@ def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title:
     ax.set_ylabel(ylabel or y)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.figure.tight_layout()
     return ax
 
@@ -88,7 +141,7 @@ def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title:
 def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: bool = True, ylabel=None):
     """Grouped bars: one group per value of ``x`` (e.g. a shape), one bar per ``by``."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 4.2))
+        _, ax = plt.subplots(figsize=(10, 4.4))
     xs = []
     bys = []
     for r in rows:
@@ -108,7 +161,7 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
         ax.set_yscale("log")
     ax.set_ylabel(ylabel or y)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.figure.tight_layout()
     return ax

@@ -1,18 +1,51 @@
 """Reports: the tour (build, check, time, profile every stage this machine can
-run, list the others with their recorded figures) and the results tables."""
+run, list the others with their recorded figures) and the results tables of
+the README, all generated from the recorded JSON files.
+
+The tour's summary is one table per regime, every row at that regime's one
+shape, so that a column can be read down the ladder:
+
+- fp32 on the CPU (stages 00, 01): B1 T512 H2 K=V=32, softplus gate, chunk 64;
+- fp32 on the GPU (stages 02-04, FLA in fp32): B2 T2048 H4 K=V=64, softplus, chunk 64;
+- bf16 tensor cores (stages 05-07, FLA bf16, FlashKDA): B1 T1024 H64 K=V=128,
+  bounded gate, chunk 16.
+
+A stage's errors are its own (against the fp64 reference, and against the
+previous stage of the ladder); FLA and FlashKDA are rows of their own.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from . import bench, checks, results
+from .metrics import worst
 from .paths import RESULTS_DIR
-from .plotting import plot_latency, plot_profile
+from .plotting import plot_latency, plot_profile, split_bars
 from .stages import STAGE_DIRS, load_stage, previous
 
 # The shape a stage's profile is taken at, per device type.
 PROFILE_SHAPE = {"cpu": dict(B=1, T=256, H=2, K=32, V=32), "cuda": dict(B=2, T=2048, H=4, K=64, V=64)}
+
+REGIMES = {
+    "cpu": dict(title="fp32 on the CPU (softplus gate, chunk 64)", shape=bench.CPU_SWEEP[-1], results=None,
+                refs=()),
+    "fp32-gpu": dict(title="fp32 on the GPU (softplus gate, chunk 64)", shape=bench.FP32_GPU_SWEEP[2],
+                     results="fp32_stages", refs=("FLA chunk_kda",)),
+    "tc-gpu": dict(title="bf16 tensor cores on the GPU (bounded gate, chunk 16)", shape=bench.TC_GPU_SHAPES[0],
+                   results="tc_stages", refs=("FLA chunk_kda", "FlashKDA")),
+}
+TOUR_BUDGET_S = 60.0  # seconds of live timing per GPU stage; recorded figures for the shapes beyond it
+
+
+def regime(spec) -> str:
+    import torch
+
+    if spec.compute_dtype == torch.bfloat16:
+        return "tc-gpu"
+    return "cpu" if "cpu" in spec.devices else "fp32-gpu"
 
 
 def _fmt(v, spec="{:.3g}"):
@@ -32,7 +65,7 @@ def md_table(rows, columns, headers=None) -> str:
 
 
 def latency_table(rows) -> str:
-    cols = ["stage", "B", "T", "H", "K", "V", "fwd_ms", "fwd_graph_ms", "bwd_ms", "bwd_graph_ms"]
+    cols = ["stage", "B", "T", "H", "K", "V", "fwd_ms", "fwd_graph_ms", "bwd_ms", "bwd_graph_ms", "error"]
     return md_table(rows, [c for c in cols if any(c in r for r in rows)])
 
 
@@ -50,117 +83,306 @@ def recorded_rows(stage_name: str) -> list[tuple[dict, list]]:
     return out
 
 
+def _recorded_errors(stage_name: str):
+    """(worst err vs fp64, worst err vs previous, previous stage's name) of a
+    stage's own recorded checks (the FLA comparison rows are not its errors)."""
+    data = results.recorded("checks") or {"rows": []}
+    own = [r for r in data["rows"] if r.get("stage") == stage_name and "err_ref" in r]
+    if not own:
+        return None, None, None
+    return worst(r["err_ref"] for r in own), worst(r["err_prev"] for r in own), own[0].get("prev")
+
+
+def _at(rows, shape):
+    lab = bench.shape_label(shape)
+    hit = [r for r in rows if "B" in r and bench.shape_label(r) == lab and bench.best_ms(r) is not None]
+    return hit[-1] if hit else None
+
+
+def _recorded_latency(name: str, reg: str):
+    """(row, meta) of a recorded latency at the regime's shape, or (None, None)."""
+    key = REGIMES[reg]["results"]
+    data = results.recorded(key) if key else None
+    if not data:
+        return None, None
+    return _at([r for r in data["rows"] if r.get("stage") == name], REGIMES[reg]["shape"]), data["meta"]
+
+
+def _ref_rows(reg: str, live_fla: dict | None) -> list[dict]:
+    """FLA and FlashKDA rows of a regime: FLA live if it was timed here, else
+    recorded beside the stages; FlashKDA from the newest anchor."""
+    out = []
+    if "FLA chunk_kda" in REGIMES[reg]["refs"]:
+        prec = "bf16, safe gate" if reg == "tc-gpu" else "fp32, softplus"
+        if live_fla is not None:
+            out.append(dict(stage=f"FLA chunk_kda ({prec})", where="measured here",
+                            fwd_ms=bench.best_ms(live_fla), bwd_ms=bench.best_ms(live_fla, "bwd")))
+        else:
+            row, meta = _recorded_latency("FLA chunk_kda", reg)
+            checks_rows = (results.recorded("checks") or {"rows": []})["rows"]
+            fla_err = worst(r["fla_err_ref"] for r in checks_rows if "fla_err_ref" in r) if reg == "tc-gpu" else None
+            if row is not None:
+                out.append(dict(stage=f"FLA chunk_kda ({prec})", where=f"recorded on {meta['device']}",
+                                err_ref=fla_err, fwd_ms=bench.best_ms(row), bwd_ms=bench.best_ms(row, "bwd")))
+    if "FlashKDA" in REGIMES[reg]["refs"]:
+        data, path = results.newest_anchor()
+        shape = REGIMES[reg]["shape"]
+        for r in (data or {}).get("rows", []):
+            if (r["B"], r["T"], r["H"], r["D"]) == (shape["B"], shape["T"], shape["H"], shape["K"]):
+                acc = (data.get("accuracy_vs_fp64") or {}).get("flashkda", {})
+                err = max(acc["o"] + acc["S"]) if acc else None
+                ms = r.get("flashkda_ms", r.get("flashkda_graph_ms"))
+                out.append(dict(stage="FlashKDA", where=f"anchor {path.name}", err_ref=err, fwd_ms=ms))
+    return out
+
+
+def _summary_tables(summary: list[dict], live_fla: dict) -> str:
+    cols = ["stage", "where", "err_ref", "vs_prev", "fwd_ms", "bwd_ms"]
+    heads = ["stage", "where", "max err vs fp64", "max err vs previous stage", "fwd ms", "bwd ms"]
+    out = []
+    for reg, info in REGIMES.items():
+        rows = [r for r in summary if r.get("regime") == reg]
+        if not rows:
+            continue
+        rows = rows + _ref_rows(reg, live_fla.get(reg))
+        for r in rows:
+            if r.get("err_prev") is not None:
+                r["vs_prev"] = f"{r['err_prev']:.2g} (vs {r['prev']})"
+            for k in ("err_ref",):
+                if isinstance(r.get(k), float):
+                    r[k] = f"{r[k]:.2g}"
+        out.append(f"**{info['title']}**, times at {bench.shape_label(info['shape'])}"
+                   f" (GPU time where measured):\n\n" + md_table(rows, cols, heads))
+    return "\n".join(out)
+
+
+def _timed_shapes(spec, dev, quick: bool):
+    """The shapes a stage is timed at in the tour: its sweep (shorter with
+    --quick), always with its regime's summary shape."""
+    shapes = bench.sweep_for(spec, dev, quick)
+    want = REGIMES[regime(spec)]["shape"]
+    if bench.shape_label(want) not in {bench.shape_label(s) for s in shapes}:
+        shapes = list(shapes) + [want]
+    return shapes
+
+
 def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bool = False) -> dict:
+    import torch
+
+    from .build import build_parallel
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary, lat_rows, profiles, units, md, all_ok = [], [], {}, {}, [], True
     meta = results.metadata(command="kdalab tour" + (" --quick" if quick else "") + (" --record" if record else ""))
     md.append(f"# KDA Lab tour\n\n{meta['device']}, {meta['date']}, commit {meta['commit']}, "
               f"torch {meta['torch']}.\n")
+    runnable = []
     for sid in stage_ids:
-        d = STAGE_DIRS[sid]
+        try:
+            spec = load_stage(sid).SPEC
+        except FileNotFoundError:
+            say(f"[tour] {STAGE_DIRS[sid]}: not written yet (see stages/{STAGE_DIRS[sid]}/README.md)")
+            continue
+        if spec.runnable_here()[0]:
+            runnable.append(sid)
+    to_build = sorted(set(runnable) | {previous(s) for s in runnable if previous(s)})
+    if to_build:
+        say(f"[tour] building {len(to_build)} stages (normal and profile builds, in parallel) ...")
+        failed = build_parallel(to_build, say=lambda m: say(f"[tour]   {m}"))
+        if failed:
+            for sid, err in failed.items():
+                say(f"[tour] {STAGE_DIRS[sid]}: COMPILE ERROR\n{err}")
+            return dict(ok=False, table="compile errors: " + ", ".join(failed), path=None, rows=[], profiles={})
+    live_fla = {}
+    for sid in stage_ids:
         try:
             stage = load_stage(sid)
         except FileNotFoundError:
-            say(f"[tour] {d}: not written yet (see stages/{d}/README.md)")
-            summary.append(dict(stage=d, status="not written yet"))
             continue
         spec = stage.SPEC
+        reg = regime(spec)
         ok, why = spec.runnable_here()
         if not ok:
+            summary.append(_recorded_summary(spec.name, why, reg))
             rec = recorded_rows(spec.name)
             say(f"[tour] {spec.name}: not run here ({why}); showing its recorded results" if rec else
                 f"[tour] {spec.name}: not run here ({why}); no recorded results yet")
-            summary.append(_recorded_summary(spec.name, why))
             md.append(f"## {spec.name}: not run here\n\n{why}.\n")
             for m, rows in rec:
-                md.append(f"Recorded ({results.label(m)}):\n\n{latency_table(rows)}\n")
+                if any("fwd_ms" in r for r in rows):
+                    md.append(f"Recorded ({results.label(m)}):\n\n{latency_table(rows)}\n")
             continue
-        say(f"[tour] {spec.name}: building ...")
-        stage.build()
-        if spec.regions and stage.build() is not None:
-            stage.build(profile=True)
         dev = checks.stage_device(spec)
         cases = checks.cases_for(spec, dev, quick)
         say(f"[tour] {spec.name}: checking on {len(cases)} cases against the fp64 reference"
             + (f" and {load_stage(previous(sid)).SPEC.name}" if previous(sid) else "") + " ...")
-        rows = checks.check_stage(sid, cases)
-        worst = checks.summarize(rows)
+        rows = checks.check_stage(sid, cases, progress=lambda i, n, case, r: say(
+            f"[tour]   [{i}/{n}] {case.id}: {'ok' if all(x['ok'] for x in r) else 'FAIL'}"))
+        worst_rows = checks.summarize(rows)
         stage_ok = all(r["ok"] for r in rows)
         all_ok &= stage_ok
-        shapes = bench.sweep_for(spec, dev, quick)
-        say(f"[tour] {spec.name}: timing {len(shapes)} shapes on {dev.type} ...")
-        lrows = bench.sweep([sid], shapes, budget_s=0.5 if quick else 1.0,
-                            progress=lambda m: say(f"[tour]   {m}"))
-        lat_rows += lrows
+        shapes = _timed_shapes(spec, dev, quick)
+        rec_data = results.recorded(REGIMES[reg]["results"]) if (dev.type == "cuda" and REGIMES[reg]["results"]) \
+            else None
+        live, skipped, need, rest = bench.fit_budget(spec.name, shapes, (rec_data or {}).get("rows", []),
+                                                     TOUR_BUDGET_S)
+        say(f"[tour] {spec.name}: timing {len(live)} shapes on {dev.type}"
+            + (f" (about {need:.0f} s)" if need else "")
+            + (f"; {len(skipped)} more would take about {rest:.0f} s: their recorded figures are shown" if skipped
+               else "") + " ...")
+        tc = reg == "tc-gpu"
+        lrows = bench.sweep([sid], live, budget_s=0.3 if quick else 0.5, progress=lambda m: say(f"[tour]   {m}"),
+                            **(dict(dtype=torch.bfloat16, gate="bounded", chunk=16, backward=False) if tc else {}))
+        lat_rows += [dict(r, where="live") for r in lrows]
+        lat_rows += [dict(r, where="recorded") for r in skipped]
         pshape = PROFILE_SHAPE[dev.type]
         kw = checks.stage_inputs(spec, **pshape, device=dev)
+        say(f"[tour] {spec.name}: profiling at {bench.shape_label(pshape)} ...")
         profiles[spec.name] = stage.profile(**kw, backward=spec.backward)
         units[spec.name] = spec.region_unit
-        summary.append(dict(stage=spec.name, status=("ok" if stage_ok else "FAILED") + f", measured here ({dev.type})",
-                            err_ref=max(r["err_ref"] for r in worst),
-                            err_prev=max((r["err_prev"] for r in worst if r["err_prev"] is not None), default=None),
-                            fwd_ms=bench.best_ms(lrows[-1]), bwd_ms=bench.best_ms(lrows[-1], "bwd"),
-                            shape=bench.shape_label(lrows[-1])))
+        at = _at(lrows, REGIMES[reg]["shape"])
+        where = f"measured here ({dev.type})"
+        if at is None:
+            at, m = _recorded_latency(spec.name, reg)
+            where += "; times recorded" if at is not None else ""
+        summary.append(dict(stage=spec.name, regime=reg, where=("" if stage_ok else "FAILED, ") + where,
+                            err_ref=worst(r["err_ref"] for r in worst_rows),
+                            err_prev=worst(r["err_prev"] for r in worst_rows), prev=worst_rows[0]["prev"],
+                            fwd_ms=bench.best_ms(at) if at else None, bwd_ms=bench.best_ms(at, "bwd") if at else None))
         md.append(f"## {spec.name}: {spec.title}\n\nChecks ({len(cases)} cases, worst per output):\n\n"
-                  + checks.format_rows(worst, columns=("output", "err_ref", "err_prev", "tol", "ok")) + "\n"
-                  + f"Profile at {bench.shape_label(pshape)} ({spec.region_unit}):\n\n"
+                  + checks.format_rows(worst_rows, columns=("output", "err_ref", "err_prev", "tol", "ok")) + "\n"
+                  + f"Profile at {bench.shape_label(pshape)} ({'seconds' if spec.region_unit == 's' else 'cycles per block'}):\n\n"
                   + md_table([dict(region=k, value=v) for k, v in profiles[spec.name].items()], ["region", "value"])
                   + "\n")
+    if os.environ.get("KDALAB_LIVE_FLA") == "1":
+        from .fla_ref import fla_available
+
+        if fla_available()[0]:
+            for reg in ("fp32-gpu", "tc-gpu"):
+                if any(r.get("regime") == reg for r in summary):
+                    say(f"[tour] FLA chunk_kda at {bench.shape_label(REGIMES[reg]['shape'])} (first use autotunes "
+                        "its Triton kernels: minutes) ...")
+                    kw = dict(dtype=torch.bfloat16, gate="bounded", chunk=16, backward=False) if reg == "tc-gpu" \
+                        else dict(backward=False)
+                    live_fla[reg] = bench.bench_stage("fla", REGIMES[reg]["shape"], **kw)
+    figs = []
+    for reg in REGIMES:
+        rows = [r for r in lat_rows if regime(load_stage(r["stage"][:2]).SPEC) == reg and bench.best_ms(r)]
+        if not rows:
+            continue
+        style = {}
+        for r in rows:
+            r["series"] = f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']}{', recorded H200' if r['where'] == 'recorded' else ''})"
+            r["fwd_best_ms"] = bench.best_ms(r)
+            style[r["series"]] = {"linestyle": "--"} if r["where"] == "recorded" else {}
+        ax = plot_latency(rows, y="fwd_best_ms", by="series", style=style, ylabel="forward ms",
+                          title=f"Forward latency: {REGIMES[reg]['title']}")
+        name = f"latency_{reg}.png"
+        ax.figure.savefig(out_dir / name, dpi=110)
+        figs.append(name)
     if lat_rows:
-        ax = plot_latency([r for r in lat_rows if "fwd_ms" in r], y="fwd_ms", title="Forward latency (this machine)",
-                          ylabel="ms")
-        ax.figure.savefig(out_dir / "latency.png", dpi=110)
-        md.append("## Latency\n\n![latency](latency.png)\n\n" + latency_table(lat_rows))
+        md.append("## Latency\n\n" + "".join(f"![latency]({f})\n\n" for f in figs) + latency_table(lat_rows))
     for unit in sorted(set(units.values())):
-        profs = {k: v for k, v in profiles.items() if units[k] == unit}
-        if profs:
-            ax = plot_profile(profs, unit, title=f"Where the time goes ({unit})")
+        bars = {}
+        for k, v in profiles.items():
+            if units[k] == unit:
+                bars.update(split_bars(k, v))
+        if bars:
+            what = "wall time" if unit == "s" else "clock64 cycles per block"
+            ax = plot_profile(bars, unit, title=f"Where the time goes ({what})")
             name = f"profile_{'cpu' if unit == 's' else 'gpu'}.png"
-            ax.figure.savefig(out_dir / name, dpi=110)
+            ax.figure.savefig(out_dir / name, dpi=110, bbox_inches="tight")
             md.append(f"\n![profile]({name})\n")
-    table = md_table(summary, ["stage", "status", "err_ref", "err_prev", "shape", "fwd_ms", "bwd_ms"],
-                     ["stage", "status", "max err vs fp64", "max err vs prev", "at shape", "fwd ms", "bwd ms"])
+    table = _summary_tables(summary, live_fla)
     md.insert(1, "## Summary\n\n" + table)
     path = out_dir / "tour.md"
     path.write_text("\n".join(md))
-    results.save(out_dir / "tour.json", lat_rows, meta)
+    results.save(out_dir / "tour.json", [r for r in lat_rows if r["where"] == "live"], meta)
     if record:
-        results.save(RESULTS_DIR / "cpu" / "tour.json", lat_rows, meta)
-    return dict(ok=all_ok, table=table, path=path, rows=lat_rows, profiles=profiles)
+        results.save(RESULTS_DIR / "cpu" / "tour.json", [r for r in lat_rows if r["where"] == "live"], meta)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    return dict(ok=all_ok, table=table, path=path, rows=lat_rows, profiles=profiles, summary=summary)
 
 
-def _recorded_summary(stage_name: str, why: str) -> dict:
-    """A summary row for a stage this machine cannot run, from results/: the
-    recorded worst errors and the latency at the last shape of its sweep."""
-    row = dict(stage=stage_name, status=f"not run here ({why}); recorded figures")
-    devices = set()
-    for meta, rows in recorded_rows(stage_name):
-        for r in rows:
-            if "err_ref" in r:
-                row["err_ref"] = max(row.get("err_ref") or 0.0, r["err_ref"])
-                if r.get("err_prev") is not None:
-                    row["err_prev"] = max(row.get("err_prev") or 0.0, r["err_prev"])
-                devices.add(meta.get("device"))
-            elif r.get("fwd_ms") is not None:
-                row["fwd_ms"], row["bwd_ms"] = bench.best_ms(r), bench.best_ms(r, "bwd")
-                row["shape"] = shape_label_safe(r)
-                devices.add(meta.get("device"))
-    if devices:
-        row["status"] = f"not run here ({why}); recorded on {', '.join(sorted(d for d in devices if d))}"
-    return row
+def _recorded_summary(stage_name: str, why: str, reg: str) -> dict:
+    """A summary row for a stage this machine cannot run: its own recorded
+    worst errors and its recorded latency at the regime's shape."""
+    err_ref, err_prev, prev = _recorded_errors(stage_name)
+    row, meta = _recorded_latency(stage_name, reg)
+    dev = (meta or {}).get("device") or (results.recorded("checks") or {}).get("meta", {}).get("device")
+    return dict(stage=stage_name, regime=reg, where=f"recorded on {dev}" if dev else f"not run here ({why})",
+                err_ref=err_ref, err_prev=err_prev, prev=prev,
+                fwd_ms=bench.best_ms(row) if row else None, bwd_ms=bench.best_ms(row, "bwd") if row else None)
 
 
-def shape_label_safe(r) -> str:
-    try:
-        return bench.shape_label(r)
-    except KeyError:
-        return "-"
+def correctness_markdown() -> str:
+    """The README's correctness table, from results/h200/checks.json and
+    results/cpu/checks.json: each stage's own worst errors, and each
+    tensor-core stage against FLA."""
+    lines = ["| stage | vs fp64 reference | vs previous stage | where |", "|---|---|---|---|"]
+    for sub in ("cpu", "h200"):
+        data = results.recorded("checks", sub)
+        if not data:
+            continue
+        names = [n for n in STAGE_DIRS.values() if any(r.get("stage") == n and "err_ref" in r for r in data["rows"])]
+        for name in names:
+            own = [r for r in data["rows"] if r.get("stage") == name and "err_ref" in r]
+            by = {r["output"]: r for r in own}
+            if "o" in by and len(own) == 2:  # forward only: o and the state apart
+                ref = f"{by['o']['err_ref']:.1e} (o), {by['S']['err_ref']:.1e} (state)"
+            else:
+                ref = f"{worst(r['err_ref'] for r in own):.1e}"
+            p = worst(r["err_prev"] for r in own)
+            prev = "-" if p is None else ("0 (bitwise equal)" if p == 0 else f"{p:.1e}") + f" (vs {own[0]['prev']})"
+            lines.append(f"| {name} | {ref} | {prev} | {data['meta']['device']}, {len(own)} outputs x "
+                         f"{own[0]['cases']} cases |")
+        fla = [r for r in data["rows"] if "err_fla" in r]
+        for name in dict.fromkeys(r["stage"] for r in fla):
+            mine = {r["output"]: r for r in fla if r["stage"] == name}
+            lines.append(f"| {name} vs FLA chunk_kda | FLA itself: {mine['o']['fla_err_ref']:.1e} (o), "
+                         f"{mine['S']['fla_err_ref']:.1e} (state) | {mine['o']['err_fla']:.1e} (o), "
+                         f"{mine['S']['err_fla']:.1e} (state) vs FLA | {data['meta']['device']}, tolerance "
+                         f"{mine['o']['tol_fla']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def tc_markdown() -> str:
+    """The tensor-core stages, FLA and FlashKDA at the H200 shapes (forward, GPU
+    time in ms), from results/h200/tc_stages.json and the newest anchor."""
+    from .notebook import anchor_rows
+
+    data = results.recorded("tc_stages")
+    if not data:
+        return ""
+    names = list(dict.fromkeys(r["stage"] for r in data["rows"]))
+    rows = [dict(r) for r in data["rows"]] + [dict(r, stage="FlashKDA") for r in anchor_rows()
+                                               if r["stage"] == "FlashKDA (anchor)"]
+    names.append("FlashKDA")
+    shapes = list(dict.fromkeys(bench.shape_label(r) for r in data["rows"]))
+    heads = [n.replace("FLA chunk_kda", "FLA") for n in names]
+    out = "| shape | " + " | ".join(heads) + " |\n|" + "---|" * (len(names) + 1) + "\n"
+    for s in shapes:
+        cells = []
+        for n in names:
+            hit = [r for r in rows if r["stage"] == n and bench.shape_label(r) == s and bench.best_ms(r)]
+            cells.append(f"{bench.best_ms(hit[-1]):.3g}" if hit else "-")
+        out += f"| {s} | " + " | ".join(cells) + " |\n"
+    return out
 
 
 def results_markdown() -> str:
-    """The results table of the README, from the recorded JSON files."""
-    lines = []
+    """The results block of the README, from the recorded JSON files."""
+    lines = ["**Correctness** (worst relative error over all cases and outputs, `results/*/checks.json`):\n",
+             correctness_markdown()]
+    tc = tc_markdown()
+    if tc:
+        data, path = results.newest_anchor()
+        lines += [f"**The tensor-core stages against FLA and FlashKDA** (forward, GPU time by CUDA-graph replay, "
+                  f"ms; stages and FLA from `results/h200/tc_stages.json`, FlashKDA from "
+                  f"`results/anchors/{path.name if path else '-'}`):\n", tc]
     for p in sorted(RESULTS_DIR.glob("*/*.json")):
         data = results.load(p)
         rows = [r for r in data.get("rows", []) if "fwd_ms" in r]
@@ -168,7 +390,7 @@ def results_markdown() -> str:
             continue
         lines.append(f"**{p.relative_to(RESULTS_DIR.parent)}** — {results.label(data['meta'])}\n")
         lines.append(latency_table(rows))
-    return "\n".join(lines) if lines else "(no recorded results yet)"
+    return "\n".join(lines)
 
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
@@ -184,7 +406,7 @@ README_FIGURES = {"ladder": "docs/ladder.png", "tensor-core shapes": "docs/tc_la
 def write_figures(root) -> list:
     """The README's figures, drawn from the recorded results (no GPU needed):
     the ladder at the seed's shape and the tensor-core stages against FLA and
-    FlashKDA at the six H200 shapes."""
+    FlashKDA at the H200 shapes."""
     import matplotlib.pyplot as plt
 
     from . import notebook
@@ -195,7 +417,7 @@ def write_figures(root) -> list:
         ax, _ = fn()
         path = Path(root) / README_FIGURES[key]
         path.parent.mkdir(parents=True, exist_ok=True)
-        ax.figure.savefig(path, dpi=110)
+        ax.figure.savefig(path, dpi=110, bbox_inches="tight")
         out.append(path)
     plt.close("all")
     return out

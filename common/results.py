@@ -70,6 +70,13 @@ def recorded(name: str, device_dir: str = "h200") -> dict | None:
     return load(p) if p.exists() else None
 
 
+def newest_anchor():
+    """(data, path) of the newest file in results/anchors/ (names start with the
+    date), or (None, None)."""
+    files = sorted((RESULTS_DIR / "anchors").glob("*.json"))
+    return (load(files[-1]), files[-1]) if files else (None, None)
+
+
 def label(meta: dict) -> str:
     """One line saying where recorded figures come from."""
     return (f"recorded on {meta.get('device')} at {meta.get('date')}, commit {meta.get('commit')}, "

@@ -56,9 +56,41 @@ def test_time_cpu_counts_repetitions():
 
 def test_plots_draw():
     ax = plotting.plot_profile({"a": {"r1": 1.0, "r2": 2.0}, "b": {"r1": 0.5}}, "cycles")
-    assert len(ax.patches) == 4  # 2 bars x 2 regions (one of height 0)
+    assert len(ax.patches) == 3  # bar a: two regions, bar b: one
+    widths = sorted(round(p.get_width(), 6) for p in ax.patches)
+    assert widths == [round(1 / 3, 6), round(2 / 3, 6), 1.0]  # shares of each bar's total
+    texts = [t.get_text() for t in ax.texts]
+    assert "3 cycles" in texts and "0.5 cycles" in texts  # each bar's total beside it
     ax = plotting.plot_latency([dict(stage="s", T=64, ms=1.0), dict(stage="s", T=128, ms=2.0)], y="ms")
     assert len(ax.lines) == 1
+
+
+def test_profile_totals_in_the_unit_of_the_axis():
+    ax = plotting.plot_profile({"00 fwd": {"fwd: Aqk": 0.0123}}, "s")
+    assert "12.3 ms" in [t.get_text() for t in ax.texts]
+    assert "wall time" in ax.get_xlabel()
+
+
+def test_a_region_has_one_colour_in_every_figure():
+    a = plotting.plot_profile({"x": {"fwd: pre-stage": 1.0, "fwd: Aqk": 1.0}}, "s")
+    b = plotting.plot_profile({"y": {"fwd: Aqk": 5.0, "fwd: recurrence": 1.0, "bwd: autograd": 2.0}}, "s")
+
+    def color(ax, region):
+        leg = ax.get_legend()
+        (h,) = [h for h, t in zip(leg.legend_handles, leg.get_texts()) if t.get_text() == region]
+        return tuple(h.get_facecolor())
+
+    assert color(a, "fwd: Aqk") == color(b, "fwd: Aqk") == tuple(plotting.region_color("fwd: Aqk"))
+    assert plotting.region_color("a new region") == plotting.region_color("a new region")
+
+
+def test_every_stage_region_has_a_colour_of_its_phase_family():
+    from common.stages import load_stage, stage_ids
+
+    missing = [r for s in stage_ids() for r in load_stage(s).SPEC.regions if r not in plotting.REGION_COLORS]
+    assert not missing
+    colors = [plotting.REGION_COLORS[r] for r in load_stage("07").SPEC.regions]
+    assert len(set(colors)) == len(colors)  # the regions of one stage are told apart
 
 
 def test_rel_err_rejects_nan_and_shape_mismatch():
@@ -95,12 +127,11 @@ def test_frag_check_rejects_bad_arguments_before_any_kernel():
         stage.frag_check([[0.0]], torch.zeros(16, 16))
 
 
-def test_split_parallel_gives_the_load_warp_its_own_bar():
-    from common.notebook import split_parallel
-
-    out = split_parallel({"06": {"K2: w@S": 3.0, "K2 load warp: issue cp.async": 2.0}, "05": {"K2: w@S": 5.0}})
-    assert out == {"06": {"K2: w@S": 3.0}, "06\n(load warp)": {"K2 load warp: issue cp.async": 2.0},
-                   "05": {"K2: w@S": 5.0}}
+def test_split_bars_gives_each_kernel_and_the_load_warp_its_own_bar():
+    out = plotting.split_bars("06", {"K1: inverse": 1.0, "K2: w@S": 3.0, "K2 load warp: issue cp.async": 2.0})
+    assert out == {"06 K1": {"K1: inverse": 1.0}, "06 K2": {"K2: w@S": 3.0},
+                   "06 K2 load warp": {"K2 load warp: issue cp.async": 2.0}}
+    assert list(plotting.split_bars("00", {"fwd: Aqk": 1.0, "bwd: autograd": 2.0})) == ["00 fwd", "00 bwd"]
 
 
 def test_short_rows_without_graph_replay_are_labelled_eager():

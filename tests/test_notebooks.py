@@ -1,0 +1,75 @@
+"""What a reader of the notebooks sees.
+
+- The committed notebooks carry their outputs (executed on the CPU machine:
+  live figures for 00-01, recorded H200 figures for the rest), and every cell
+  that draws shows an image, so a reader browsing the repository sees them.
+- When pytest executes the notebooks (nbval), the plugin common.nbcheck fails
+  any cell that draws without an image; the last test here shows that it does.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.nbcheck import draws, errors, figure_problem, missing_figures
+from common.paths import REPO_ROOT
+
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _load(path):
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebook_is_executed_without_errors(path):
+    assert errors(_load(path)) == [], f"run `python scripts/run_notebooks.py --write {path.name}`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebook_shows_every_figure(path):
+    nb = _load(path)
+    assert any(draws("".join(c["source"])) for c in nb["cells"] if c["cell_type"] == "code"), "draws nothing"
+    assert missing_figures(nb) == []
+
+
+def test_the_figure_check_itself():
+    png = [{"output_type": "display_data", "data": {"image/png": "iVBOR...", "text/plain": "<Figure>"}}]
+    text = [{"output_type": "stream", "name": "stdout", "text": "recorded on ..."}]
+    assert figure_problem('nb.profile("02");', text) is not None
+    assert figure_problem('nb.profile("02");', png) is None
+    assert figure_problem("ax, table = nb.tc_latency(['05'])\ntable", text) is not None
+    assert figure_problem("plot_fragments();", []) is not None
+    assert figure_problem("nb.error_table('02')", text) is None  # draws nothing
+    assert figure_problem("# nb.profile('02') is not called here\nx = 1", []) is None
+    broken = {"cells": [{"cell_type": "code", "source": ["nb.latency(['00']);"], "outputs": text,
+                         "execution_count": 1}]}
+    assert missing_figures(broken) == ["cell 0: cell `nb.latency(['00']);` draws a figure but shows no image"]
+
+
+def _notebook(tmp_path, first_cell):
+    cells = [first_cell, "from common import notebook as nb\nnb.profile('00', backward=False);"]
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": c}
+                    for c in cells],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "figure.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+@pytest.mark.parametrize("backend,fails", [("%matplotlib inline", False), ("import matplotlib\nmatplotlib.use('Agg')", True)],
+                         ids=["inline", "agg"])
+def test_nbval_run_fails_a_figure_that_does_not_render(tmp_path, backend, fails):
+    """The same notebook under nbval with the plugin: passes with the inline
+    backend, fails when the figures are drawn into nothing (Agg)."""
+    path = _notebook(tmp_path, backend)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                          "--nbval-lax", "--nbval-current-env", "-p", "common.nbcheck", str(path)],
+                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    if fails:
+        assert out.returncode != 0 and "draws a figure but shows no image" in out.stdout, out.stdout[-3000:]
+    else:
+        assert out.returncode == 0, out.stdout[-3000:]
