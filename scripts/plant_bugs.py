@@ -67,7 +67,7 @@ MUTATIONS = {
     "nbcheck: a cell without its figure passes": (
         "common/nbcheck.py", "if draws(source) and not has_image(outputs):", "if False:"),
     "stage 00: dense matmul spreads NaN backwards in time": (
-        "stages/00_naive/stage.py", "u = _causal_matmul(Af, v)", "u = Af @ v"),
+        "stages/00_naive/stage.py", "_causal_matmul(Aqk[:, :, n], vcorr)", "Aqk[:, :, n] @ vcorr"),
     "stage 00: a timer on the forward path": (
         "stages/00_naive/stage.py", "clock = clock or _NO_CLOCK", "clock = clock or _Clock(c.device)"),
 }

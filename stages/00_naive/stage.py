@@ -21,11 +21,12 @@ Any chunk size that is a power of two >= 16 and any T: the last chunk is padded
 with k = v = beta = a = 0, which leaves S untouched (the gate sum stays flat and
 the padded rows of w, u and kr are zero), and the padded rows of o are dropped.
 
-Causality, also for bad numbers: every product with a triangular factor (Af @ kd,
-Af @ v, Aqk @ vcorr) only ever forms the terms below the diagonal, as the loops
-of stage 01 do, so a NaN in token j's input reaches the outputs of tokens >= j
-only, exactly as in the token loop. (A dense matmul would multiply the zeros
-above the diagonal by the NaN rows and spread it to the whole chunk.)
+Causality, also for bad numbers: w and u come from a forward substitution
+((I + L) w = diag(beta) kd), and Aqk @ vcorr never forms the terms above the
+diagonal, as the loops of stage 01 do, so a NaN in token j's input reaches the
+outputs of tokens >= j only, exactly as in the token loop. (A dense matmul with
+the triangular Af or Aqk would multiply the zeros above the diagonal by the NaN
+rows and spread it to the whole chunk.)
 
 A limit of the chunked form: the decay between two tokens is a difference of
 running sums, exp(gc_c - gc_i). An infinite gate (g = +inf with softplus, or any
@@ -119,19 +120,18 @@ def _pairwise(x, y, gc):
 
 
 def _causal_matmul(A, X):
-    """A @ X for a lower-triangular A (diagonal included) that never forms a term
-    above the diagonal: out[c] = sum over i <= c of A[c, i] X[i]. A NaN in row j
-    of X then reaches rows >= j of the output only (see the module doc).
+    """A @ X for a lower-triangular A (diagonal included), as if the terms above
+    the diagonal were never formed: out[c] = sum over i <= c of A[c, i] X[i].
 
-    A: [..., BT, BT], X: [..., BT, N] -> [..., BT, N]; one column of A at a time,
-    like _pairwise."""
-    BT = A.shape[-1]
-    rows = torch.arange(BT, device=A.device)
-    out = torch.zeros(A.shape[:-1] + X.shape[-1:], dtype=X.dtype, device=X.device)
-    for i in range(BT):
-        keep = (rows >= i)[:, None]  # [BT, 1]: rows c >= i
-        out = out + torch.where(keep, A[..., :, i:i + 1] * X[..., i:i + 1, :], 0.0)
-    return out
+    A dense matmul also multiplies those zeros by the rows of X below row c, and
+    0 * NaN = NaN, so a NaN in row j of X would reach every row of the output.
+    Here X's non-finite entries are left out of the product and put back as NaN
+    where a causal product meets them: rows c >= j, the same column.
+    A: [..., BT, BT], X: [..., BT, N] -> [..., BT, N]."""
+    bad = ~torch.isfinite(X)  # [..., BT, N]
+    out = A @ torch.where(bad, 0.0, X)
+    reach = torch.tril(torch.ones_like(A)) @ bad.to(A.dtype) > 0  # [..., BT, N]: some bad X[i, n] with i <= c
+    return torch.where(reach, float("nan"), out)
 
 
 def chunk_kda(c, clock=None):
@@ -166,10 +166,11 @@ def chunk_kda(c, clock=None):
     # ---- WY transform (chunk-parallel) ----
     eye = torch.eye(BT, dtype=q.dtype, device=q.device)
     L = torch.tril(beta[..., :, None] * _pairwise(k, k, gc), diagonal=-1)  # [B, H, NT, BT, BT] strict lower
-    X = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)  # (I + L)^-1
-    Af = torch.tril(X * beta[..., None, :])  # [B, H, NT, BT, BT]  X diag(beta), lower incl. diagonal
-    w = _causal_matmul(Af, k * torch.exp(gc.float()))  # [B, H, NT, BT, K]
-    u = _causal_matmul(Af, v)  # [B, H, NT, BT, V]
+    # w = Af kd, u = Af v with Af = (I + L)^-1 diag(beta): one forward substitution each
+    w = torch.linalg.solve_triangular(eye + L, beta[..., None] * k * torch.exp(gc.float()), upper=False,
+                                      unitriangular=True)  # [B, H, NT, BT, K]
+    u = torch.linalg.solve_triangular(eye + L, beta[..., None] * v, upper=False,
+                                      unitriangular=True)  # [B, H, NT, BT, V]
     clock.lap("fwd: WY transform")
 
     # ---- Aqk and the decayed operands (chunk-parallel) ----
