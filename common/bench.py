@@ -42,10 +42,11 @@ def sweep_for(spec, device, quick: bool = False):
 
 def progress_bar(items, desc: str, unit: str):
     """A text progress bar (tqdm) on stdout: it shows in a terminal, a notebook
-    and an executed notebook alike (no widget), and is gone when done."""
+    and an executed notebook alike (no widget), only for a step that lasts
+    more than a few seconds, and is gone when done."""
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, unit=unit, leave=False, file=sys.stdout, ncols=90, mininterval=1.0)
+    return tqdm(items, desc=desc, unit=unit, leave=False, file=sys.stdout, ncols=90, mininterval=1.0, delay=5.0)
 
 
 def shape_label(s: dict) -> str:
@@ -103,7 +104,7 @@ def fit_budget(name: str, shapes, recorded, budget_s: float):
     return live, skipped, spent, left
 
 
-def _timed(fn, device, budget_s: float, graph: bool) -> dict:
+def _timed(fn, device, budget_s: float, graph: bool, say=None) -> dict:
     """Time ``fn`` with a repetition count that fits ``budget_s``. The first call
     is a warm-up (lazy initialisation, autotuning); the second sizes the rest.
     Long calls (> LONG_CALL_S) get no graph replay and 3 repetitions; very long
@@ -120,7 +121,8 @@ def _timed(fn, device, budget_s: float, graph: bool) -> dict:
     once()  # warm-up
     dt = max(once(), 1e-6)
     if dt > VERY_LONG_CALL_S:
-        print(f"[bench]   one call takes {dt:.1f} s: timing one more", file=sys.stderr, flush=True)
+        if say is not None:
+            say(f"  one call takes {dt:.1f} s: timing one more")
         ts = sorted([dt, once()])
         return {"ms": 1e3 * (ts[0] + ts[1]) / 2, "min_ms": 1e3 * ts[0], "reps": 2,
                 "note": "wall clock of two calls after a warm-up (each call > 0.5 s)",
@@ -151,7 +153,7 @@ def _backward_fn(stage, kw, device):
 
 
 def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, device=None,
-                dtype=torch.float32, budget_s: float = 1.0, graph: bool = True) -> dict:
+                dtype=torch.float32, budget_s: float = 1.0, graph: bool = True, say=None) -> dict:
     """Time one stage (or "fla") at one shape. Returns a flat row. ``gate`` and
     ``chunk`` default to the stage's own (its first gate, its default chunk);
     FLA defaults to the softplus gate."""
@@ -180,10 +182,11 @@ def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, 
         with torch.no_grad():
             fwd(**kw)
 
-    t = _timed(f, dev, budget_s, graph)
+    t = _timed(f, dev, budget_s, graph, say)
     row.update({"fwd_" + k: v for k, v in t.items()})
     if has_bwd:
-        print(f"[bench]   forward {t['ms']:.3f} ms; backward next", file=sys.stderr, flush=True)
+        if say is not None:
+            say(f"  forward {t['ms']:.3f} ms; backward next")
         if stage_id == "fla":
             leaves = {n: (x.detach().requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() else x)
                       for n, x in kw.items()}
@@ -195,7 +198,7 @@ def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, 
         else:
             b = _backward_fn(stage, kw, dev)
             gb = graph and stage.build() is not None
-        t = _timed(b, dev, budget_s, gb)
+        t = _timed(b, dev, budget_s, gb, say)
         row.update({"bwd_" + k: v for k, v in t.items()})
     return row
 
@@ -212,7 +215,7 @@ def sweep(stage_ids, shapes, *, progress=None, on_row=None, bar: bool = False, *
             if progress is not None:
                 progress(f"{sid} {shape_label(shape)}")
             try:
-                rows.append(bench_stage(sid, shape, **kw))
+                rows.append(bench_stage(sid, shape, say=progress, **kw))
             except RuntimeError as e:  # out of memory or an unavailable reference: record why
                 rows.append(dict(stage=str(sid), **shape, error=str(e).splitlines()[0][:300]))
             if torch.cuda.is_available():

@@ -287,12 +287,24 @@ def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = F
 
     Compiles only the device code of each .cu source (no torch headers). Returns
     a list of dicts: kernel, registers, smem_bytes, stack_bytes, spill_stores,
-    spill_loads. Cached in build/ by source modification time.
+    spill_loads. Cached in build/resources/ under a hash of the stage's sources,
+    the shared headers and the flags, so a notebook re-run does not recompile.
     """
+    import hashlib
+    import json
+
     home = setup_cuda_home()
     if home is None:
         raise RuntimeError("CUDA toolkit not found (CUDA_HOME)")
     stage_dir = Path(stage_dir)
+    files = sorted(stage_dir.glob("*")) + sorted(INCLUDE_DIR.glob("*"))
+    h = hashlib.sha256(f"{arch} {cutlass} {profile} {sources}".encode())
+    for f in files:
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    cache = BUILD_DIR / "resources" / f"{stage_dir.name}-{h.hexdigest()[:16]}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
     rows = []
     for src in sources:
         if not src.endswith(".cu"):
@@ -308,8 +320,10 @@ def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = F
             cmd.insert(1, "-DKDA_PROFILE")
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
-            raise RuntimeError(f"nvcc failed on {path}:\n{out.stderr[-4000:]}")
+            raise CompileError(f"ptxas report of {path.name}", out.stderr)
         rows += _parse_ptxas(out.stderr)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(rows))
     return rows
 
 

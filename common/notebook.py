@@ -44,7 +44,7 @@ LIVE_FLA_ENV = "KDALAB_LIVE_FLA"
 # six tensor-core shapes ~5 minutes in all.
 FLA_FIRST_USE = {"fp32": "about 80 s per (H, K) family for the forward",
                  "bf16": "about 5 minutes in all for the six tensor-core shapes (four (H, K) families)"}
-LIVE_BUDGET_S = 60.0  # seconds of live timing per latency figure on a GPU
+LIVE_BUDGET_S = 30.0  # seconds of live timing per latency figure on a GPU
 
 
 def environment() -> str:
@@ -249,13 +249,15 @@ def latency(stage_ids, *, y: str = "fwd", title=None, budget_s: float = LIVE_BUD
         return bench.FP32_GPU_SWEEP if sid == "fla" else bench.sweep_for(load_stage(sid).SPEC, dev)
 
     key = (tuple(stage_ids), budget_s)
-    if key not in _GATHERED:
+    first = key not in _GATHERED
+    if first:
         _GATHERED[key] = _gather(stage_ids, shapes_for, rec, False, budget_s)
     live_rows, rec_rows, notes = _GATHERED[key]
-    for n in notes:
-        print(n)
-    if rec_rows and meta is not None:
-        print("recorded: " + results.label(meta))
+    if first:  # the same rows serve the forward and the backward figure: say where they come from once
+        for n in notes:
+            print(n)
+        if rec_rows and meta is not None:
+            print("recorded: " + results.label(meta))
     ykey = f"{y}_best_ms"
     rows, style = [], {}
     live_labels = {(r["stage"], bench.shape_label(r)) for r in live_rows}
@@ -355,7 +357,11 @@ def tc_latency(stage_ids=("05",)):
             r["stage"] = FLA_TC
         if r["where"] == "recorded" and live_rows:
             r["stage"] += " (recorded)"
-    rows += anchor_rows({bench.shape_label(r) for r in rows if r["stage"].startswith(FLA_TC)})
+    shapes = {bench.shape_label(r) for r in rows}
+    rows += [r for r in anchor_rows({bench.shape_label(r) for r in rows if r["stage"].startswith(FLA_TC)})
+             if bench.shape_label(r) in shapes]  # the anchor's shapes where the stages were measured
+    order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
+    rows.sort(key=lambda r: (order.get(r["stage"].split(" ")[0], 50), r["stage"]))
     data, path = results.newest_anchor()
     if data is not None:
         print(f"FlashKDA{' and FLA where not measured' if any('FLA' in r['stage'] and 'anchor' in r['stage'] for r in rows) else ''}: "
@@ -382,21 +388,25 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
                 label = r["stage"]
                 if label == "FLA chunk_kda":
                     label = "FLA chunk_kda (fp32, softplus)" if name == "fp32_stages" else FLA_TC
+                else:
+                    label += " (fp32, softplus)" if name == "fp32_stages" else " (bf16, bounded)"
                 rows.append(dict(stage=label, fwd_ms=bench.best_ms(r), bwd_ms=bench.best_ms(r, "bwd"),
                                  note=r.get("error") or r.get("note") or ""))
     fla_at = {bench.shape_label(shape)} if any(r["stage"] == FLA_TC for r in rows) else frozenset()
     rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor " + r["anchor"])
              for r in anchor_rows(fla_at) if all(r.get(k) == v for k, v in shape.items())]
     order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
-    rows.sort(key=lambda r: order.get(r["stage"], 100))
+    rows.sort(key=lambda r: order.get(r["stage"].split(" ")[0], 100))
     df = pd.DataFrame(rows)
     ok = df[df["fwd_ms"].notna()]
     import matplotlib.pyplot as plt
 
+    from .plotting import format_ms, series_color
+
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh(ok["stage"], ok["fwd_ms"])
+    ax.barh(ok["stage"], ok["fwd_ms"], color=[series_color(n) for n in ok["stage"]])
     for y, v in enumerate(ok["fwd_ms"]):
-        ax.text(v * 1.1, y, f"{v:.3g} ms", va="center", fontsize=7)
+        ax.text(v * 1.1, y, format_ms(v), va="center", fontsize=7)
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("forward ms (log scale)")

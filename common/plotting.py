@@ -51,6 +51,27 @@ def region_color(name: str):
     return REGION_COLORS.get(name) or _FALLBACK[zlib.crc32(name.encode()) % len(_FALLBACK)]
 
 
+_STAGE_COLORS = plt.get_cmap("tab10").colors
+
+
+def series_color(label: str):
+    """One colour per stage (by its number) and per reference, in every figure:
+    "07_movm_register (B1 ...)" and "07_movm_register" share a colour; FLA is
+    grey, FlashKDA black."""
+    if label.startswith("FLA"):
+        return (0.45, 0.45, 0.45, 1.0)
+    if label.startswith("FlashKDA"):
+        return (0.0, 0.0, 0.0, 1.0)
+    if label[:2].isdigit():
+        return _STAGE_COLORS[int(label[:2]) % len(_STAGE_COLORS)]
+    return _FALLBACK[zlib.crc32(label.encode()) % len(_FALLBACK)]
+
+
+def format_ms(ms: float) -> str:
+    """A latency as a reader would say it: "0.21 ms", "24.9 ms", "12.3 s"."""
+    return f"{ms:.3g} ms" if ms < 1e3 else f"{ms / 1e3:.3g} s"
+
+
 def bar_group(region: str) -> str:
     """The bar a region is drawn in: the text before its colon ("fwd", "bwd",
     "K1", "K2", "K2 load warp"). Regions of different kernels or directions
@@ -69,10 +90,11 @@ def split_bars(label: str, prof: dict) -> dict:
 
 
 def format_total(value: float, unit: str) -> str:
+    """A bar's total: wall time for unit "s", else clock64 cycles ("2.6e5 cycles")."""
     if unit == "s":
-        ms = value * 1e3
-        return f"{ms:.3g} ms" if ms < 1e4 else f"{value:.3g} s"
-    return f"{value:.2g} cycles"
+        return format_ms(value * 1e3)
+    mant, exp = f"{value:.2g}".split("e") if "e" in f"{value:.2g}" else (f"{value:.2g}", None)
+    return (f"{mant}e{int(exp)}" if exp is not None else mant) + " cycles"
 
 
 def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the time goes", ax=None,
@@ -83,7 +105,7 @@ def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the tim
     Segments wider than ``min_label`` carry their region's short name."""
     labels = list(profiles)
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.9 + 0.55 * len(labels)))
+        _, ax = plt.subplots(figsize=(10, 1.9 + 0.5 * len(labels)))
     seen = {}
     for y, lab in enumerate(labels):
         prof = {r: v for r, v in profiles[lab].items() if v > 0}
@@ -96,7 +118,9 @@ def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the tim
             seen.setdefault(region, bar)
             if share >= min_label:
                 short = region.split(":", 1)[-1].strip()
-                ax.text(left + share / 2, y, short, ha="center", va="center", fontsize=7, clip_on=True)
+                r, g, b, _ = region_color(region)
+                ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"  # readable on dark shades
+                ax.text(left + share / 2, y, short, ha="center", va="center", fontsize=7, clip_on=True, color=ink)
             left += share
         ax.text(1.01, y, format_total(total, unit), va="center", fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
@@ -105,7 +129,8 @@ def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the tim
     ax.set_xlabel("share of the bar's total (total at the right: "
                   + ("wall time" if unit == "s" else "clock64 cycles per block") + ")")
     ax.set_title(title)
-    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.12, 1.0), frameon=False)
+    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22),
+              ncol=4, frameon=False)
     ax.figure.tight_layout()
     return ax
 
@@ -123,7 +148,7 @@ def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title:
         groups.setdefault(r[by], []).append((r[x], r[y]))
     for name, pts in groups.items():
         pts.sort()
-        kw = (style or {}).get(name, {})
+        kw = dict(color=series_color(str(name)), **(style or {}).get(name, {}))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name), **kw)
     if logy:
         ax.set_yscale("log")
@@ -155,7 +180,8 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
         for xv in xs:
             v = [r[y] for r in rows if r[x] == xv and r[by] == b and r.get(y) is not None]
             vals.append(v[0] if v else 0.0)
-        ax.bar([i + j * width for i in range(len(xs))], vals, width=width, label=str(b))
+        ax.bar([i + j * width for i in range(len(xs))], vals, width=width, label=str(b), color=series_color(str(b)),
+               alpha=0.55 if "anchor" in str(b) or "recorded" in str(b) else 1.0)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(xs))], [str(v) for v in xs], rotation=20, fontsize=8)
     if logy:
         ax.set_yscale("log")

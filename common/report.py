@@ -173,7 +173,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary, lat_rows, profiles, units, md, all_ok = [], [], {}, {}, [], True
+    summary, lat_rows, profiles, units, md, all_ok, check_rows = [], [], {}, {}, [], True, []
     meta = results.metadata(command="kdalab tour" + (" --quick" if quick else "") + (" --record" if record else ""))
     md.append(f"# KDA Lab tour\n\n{meta['device']}, {meta['date']}, commit {meta['commit']}, "
               f"torch {meta['torch']}.\n")
@@ -220,6 +220,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         rows = checks.check_stage(sid, cases, progress=lambda i, n, case, r: say(
             f"[tour]   [{i}/{n}] {case.id}: {'ok' if all(x['ok'] for x in r) else 'FAIL'}"))
         worst_rows = checks.summarize(rows)
+        check_rows += [dict(r, device=dev.type) for r in worst_rows]
         stage_ok = all(r["ok"] for r in rows)
         all_ok &= stage_ok
         shapes = _timed_shapes(spec, dev, quick)
@@ -299,8 +300,10 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
     path = out_dir / "tour.md"
     path.write_text("\n".join(md))
     results.save(out_dir / "tour.json", [r for r in lat_rows if r["where"] == "live"], meta)
-    if record:
-        results.save(RESULTS_DIR / "cpu" / "tour.json", [r for r in lat_rows if r["where"] == "live"], meta)
+    if record:  # what ran on this machine's CPU becomes the recorded CPU figures
+        cpu = [r for r in lat_rows if r["where"] == "live" and r.get("device") == "cpu"]
+        results.save(RESULTS_DIR / "cpu" / "tour.json", cpu, meta)
+        results.save(RESULTS_DIR / "cpu" / "checks.json", [r for r in check_rows if r["device"] == "cpu"], meta)
     import matplotlib.pyplot as plt
 
     plt.close("all")

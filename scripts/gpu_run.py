@@ -1,7 +1,10 @@
 """One GPU session: build the CUDA stages, run the GPU tests, compute-sanitizer,
-record checks, profiles and latencies as JSON under $OUT.
+record checks, profiles and latencies as JSON under $OUT; execute the notebooks
+as a reader would (nbval, with or without fla-core) and the tour.
 
     python scripts/gpu_run.py --stages 05,06,07 [--phases build,tests,checks,...] [--fla]
+    python scripts/gpu_run.py --phases build,notebooks --notebooks 00,01,02
+    python scripts/gpu_run.py --phases tour
 
 Meant for the lent H200 (no network: extra wheels travel in .whl/ and are
 installed to /tmp/site by scripts/gpu_run.sh). Every step has its own timeout
@@ -49,12 +52,65 @@ def sh(cmd, timeout, name):
 
 def build_all(stages):
     """Build every extension (normal + profile) in parallel processes."""
-    code = ("import sys; from common.stages import load_stage; s = load_stage(sys.argv[1]); "
-            "s.build(profile=sys.argv[2] == '1')")
-    jobs = [(s, p) for s in stages for p in ("0", "1")]
-    with ThreadPoolExecutor(len(jobs)) as ex:
-        rcs = list(ex.map(lambda j: sh([sys.executable, "-c", code, j[0], j[1]], 900, "build"), jobs))
-    return all(rc == 0 for rc in rcs)
+    from common.build import build_parallel
+
+    t0 = time.time()
+    failed = build_parallel(stages, jobs=2 * len(stages), say=log)
+    for sid, err in failed.items():
+        log(f"build {sid} FAILED:\n{err}")
+    log(f"build: {len(stages)} stages in {time.time() - t0:.0f} s")
+    return not failed
+
+
+def run_notebooks(names, tag: str, parallel: int = 0):
+    """Each notebook through nbval (the figure plugin on), as a reader runs it:
+    one pytest per notebook, timed by the wall clock, results saved after each
+    to $OUT/notebooks_<tag>.json. With ``parallel`` > 0 all run at once in
+    pytest-xdist workers (for completion, not timing)."""
+    import glob
+    import json
+
+    from common.results import metadata
+
+    paths = sorted(p for p in glob.glob(str(ROOT / "notebooks" / "*.ipynb"))
+                   if not names or any(Path(p).stem.startswith(n) for n in names))
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--nbval-lax",
+            "--nbval-current-env", "-p", "common.nbcheck", "-rfE"]
+    meta = metadata(command=f"python scripts/gpu_run.py --phases notebooks ({tag})")
+    meta["fla_core"] = _fla_importable()
+    rows = []
+    if parallel:
+        t0 = time.time()
+        rc = sh(base + ["-n", str(parallel), "--dist", "loadfile"] + paths, 580, f"notebooks_{tag}")
+        rows.append(dict(notebooks=[Path(p).name for p in paths], parallel=parallel, rc=rc,
+                         seconds=round(time.time() - t0, 1)))
+    else:
+        for p in paths:
+            t0 = time.time()
+            rc = sh(base + [p], 400, f"notebooks_{tag}")
+            rows.append(dict(notebook=Path(p).name, rc=rc, seconds=round(time.time() - t0, 1)))
+            log(f"notebook {Path(p).name} ({tag}): rc={rc}, {rows[-1]['seconds']} s")
+            (OUT / f"notebooks_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (OUT / f"notebooks_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
+def _fla_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
+def run_tour():
+    import json
+    import shutil
+
+    t0 = time.time()
+    rc = sh([sys.executable, "-m", "common.cli", "tour", "--out", str(OUT / "tour")], 580, "tour")
+    secs = time.time() - t0
+    log(f"tour: rc={rc}, {secs:.0f} s")
+    (OUT / "tour" / "timing.json").write_text(json.dumps({"rc": rc, "seconds": round(secs, 1)}) + "\n")
+    shutil.make_archive(str(OUT / "tour"), "gztar", str(OUT / "tour"))
+    shutil.rmtree(OUT / "tour")
 
 
 def record_checks(stages, fla=False):
@@ -126,6 +182,7 @@ def sanitize(stages):
 
 
 PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-fla-fp32", "bench-tc")
+EXTRA_PHASES = ("notebooks", "notebooks-fla", "tour")  # asked for by name only
 
 
 def main():
@@ -136,9 +193,17 @@ def main():
     p.add_argument("--bench-timeout", type=int, default=420)
     p.add_argument("--pytest-k", default=None, help="pytest -k expression for the tests phase")
     p.add_argument("--shapes", default=None, help="bench only these rows of each sweep (kdalab bench --shapes)")
+    p.add_argument("--notebooks", default="", help="comma-separated notebook name prefixes (default: all)")
+    p.add_argument("--parallel", type=int, default=0, help="notebooks-fla: run the notebooks in N xdist workers")
     args = p.parse_args()
     stages = args.stages.split(",")
     phases = args.phases.split(",")
+    unknown = [x for x in phases if x not in PHASES + EXTRA_PHASES]
+    if unknown:
+        p.error(f"unknown phases {unknown}; phases are {PHASES + EXTRA_PHASES}")
+    if args.fla:  # FLA's wheel is installed apart (gpu_run.sh)
+        os.environ["PYTHONPATH"] = "/tmp/site_fla" + os.pathsep + os.environ.get("PYTHONPATH", "")
+        sys.path.insert(0, "/tmp/site_fla")
     import torch
 
     from common.stages import load_stage
@@ -149,6 +214,8 @@ def main():
     from common.stages import previous
 
     to_build = sorted(set(stages) | {previous(s) for s in stages} - {None, "00"})
+    if "notebooks" in phases or "notebooks-fla" in phases or "tour" in phases:
+        to_build = sorted(set(to_build) | {"01", "02", "03", "04", "05", "06", "07"})
     if "build" in phases and not build_all(to_build):
         log("BUILD FAILED: see build.txt")
         return 1
@@ -176,6 +243,20 @@ def main():
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(tc + fla), "--sweep", "tc-gpu",
             "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"]
            + shapes, args.bench_timeout, "bench")
+    nbs = [n for n in args.notebooks.split(",") if n]
+    if "notebooks" in phases:  # without fla-core on the path (gpu_run.sh keeps it apart in /tmp/site_fla)
+        run_notebooks(nbs, "no_fla")
+    if "tour" in phases:
+        run_tour()
+    if "notebooks-fla" in phases:
+        fla_dir = "/tmp/site_fla"
+        os.environ["PYTHONPATH"] = fla_dir + os.pathsep + os.environ.get("PYTHONPATH", "")
+        sys.path.insert(0, fla_dir)
+        import importlib
+
+        importlib.invalidate_caches()
+        log(f"fla-core importable: {_fla_importable()}")
+        run_notebooks(nbs, "fla", parallel=args.parallel)
     log("done")
     return 0
 

@@ -6,8 +6,13 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIS
 export OUT=${OUT:-/tmp/kdalab-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  # fla-core apart, in /tmp/site_fla: gpu_run.py puts it on the path only where FLA is asked for (--fla, notebooks-fla)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      $(ls .whl/*.whl | grep -v fla_core) && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  if ls .whl/fla_core*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
+        .whl/fla_core*.whl
+  fi
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$OUT/log.txt"
