@@ -202,6 +202,8 @@ def cmd_results(args) -> int:
 
         changed = report.update_readme(REPO_ROOT / "README.md")
         _say("README.md results block " + ("updated" if changed else "already up to date"))
+        for p in report.update_stage_readmes():
+            _say(f"{p.relative_to(REPO_ROOT)}: measured block updated")
         for p in report.write_figures(REPO_ROOT):
             _say(f"wrote {p.relative_to(REPO_ROOT)}")
         return EXIT_OK

@@ -276,6 +276,8 @@ def latency(stage_ids, *, y: str = "fwd", title=None, budget_s: float = LIVE_BUD
     if not rows:
         print("no latency figures for these stages on this machine yet")
         return None
+    order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
+    rows.sort(key=lambda r: (order.get(r["stage"], 99), r["T"]))  # legend in ladder order, FLA last
     what = "GPU time where measured" if any(r.get("device", "cuda") != "cpu" for r in rows) else "wall time"
     return plot_latency(rows, y=ykey, by="series", style=style, ylabel=f"{y} ms ({what})",
                         title=title or f"{'Forward' if y == 'fwd' else 'Backward'} latency against T")
@@ -413,3 +415,13 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
     ax.set_title(f"The ladder at {bench.shape_label(shape)} (H200, recorded)")
     fig.tight_layout()
     return ax, df
+
+
+def recorded_summary():
+    """The ladder by regime from the recorded results: each stage's own errors
+    and its latency at one shape per regime, FLA and FlashKDA as rows."""
+    from IPython.display import Markdown
+
+    from .report import recorded_summary_markdown
+
+    return Markdown(recorded_summary_markdown())

@@ -30,12 +30,12 @@ from .stages import STAGE_DIRS, load_stage, previous
 PROFILE_SHAPE = {"cpu": dict(B=1, T=256, H=2, K=32, V=32), "cuda": dict(B=2, T=2048, H=4, K=64, V=64)}
 
 REGIMES = {
-    "cpu": dict(title="fp32 on the CPU (softplus gate, chunk 64)", shape=bench.CPU_SWEEP[-1], results=None,
+    "cpu": dict(title="fp32 on the CPU (softplus gate, chunk 64)", shape=bench.CPU_SWEEP[-1], results=("cpu", "tour"),
                 refs=()),
     "fp32-gpu": dict(title="fp32 on the GPU (softplus gate, chunk 64)", shape=bench.FP32_GPU_SWEEP[2],
-                     results="fp32_stages", refs=("FLA chunk_kda",)),
+                     results=("h200", "fp32_stages"), refs=("FLA chunk_kda",)),
     "tc-gpu": dict(title="bf16 tensor cores on the GPU (bounded gate, chunk 16)", shape=bench.TC_GPU_SHAPES[0],
-                   results="tc_stages", refs=("FLA chunk_kda", "FlashKDA")),
+                   results=("h200", "tc_stages"), refs=("FLA chunk_kda", "FlashKDA")),
 }
 TOUR_BUDGET_S = 60.0  # seconds of live timing per GPU stage; recorded figures for the shapes beyond it
 
@@ -52,7 +52,7 @@ def _fmt(v, spec="{:.3g}"):
     if v is None:
         return "-"
     if isinstance(v, float):
-        return spec.format(v)
+        return f"{v:,.0f}" if abs(v) >= 1e3 else spec.format(v)
     return str(v)
 
 
@@ -86,8 +86,8 @@ def recorded_rows(stage_name: str) -> list[tuple[dict, list]]:
 def _recorded_errors(stage_name: str):
     """(worst err vs fp64, worst err vs previous, previous stage's name) of a
     stage's own recorded checks (the FLA comparison rows are not its errors)."""
-    data = results.recorded("checks") or {"rows": []}
-    own = [r for r in data["rows"] if r.get("stage") == stage_name and "err_ref" in r]
+    rows = [r for sub in ("cpu", "h200") for r in (results.recorded("checks", sub) or {"rows": []})["rows"]]
+    own = [r for r in rows if r.get("stage") == stage_name and "err_ref" in r]
     if not own:
         return None, None, None
     return worst(r["err_ref"] for r in own), worst(r["err_prev"] for r in own), own[0].get("prev")
@@ -101,8 +101,8 @@ def _at(rows, shape):
 
 def _recorded_latency(name: str, reg: str):
     """(row, meta) of a recorded latency at the regime's shape, or (None, None)."""
-    key = REGIMES[reg]["results"]
-    data = results.recorded(key) if key else None
+    sub, name_ = REGIMES[reg]["results"]
+    data = results.recorded(name_, sub)
     if not data:
         return None, None
     return _at([r for r in data["rows"] if r.get("stage") == name], REGIMES[reg]["shape"]), data["meta"]
@@ -122,7 +122,7 @@ def _ref_rows(reg: str, live_fla: dict | None) -> list[dict]:
             checks_rows = (results.recorded("checks") or {"rows": []})["rows"]
             fla_err = worst(r["fla_err_ref"] for r in checks_rows if "fla_err_ref" in r) if reg == "tc-gpu" else None
             if row is not None:
-                out.append(dict(stage=f"FLA chunk_kda ({prec})", where=f"recorded on {meta['device']}",
+                out.append(dict(stage=f"FLA chunk_kda ({prec})", where=f"recorded on {meta['device']}, {meta['date'][:10]}",
                                 err_ref=fla_err, fwd_ms=bench.best_ms(row), bwd_ms=bench.best_ms(row, "bwd")))
     if "FlashKDA" in REGIMES[reg]["refs"]:
         data, path = results.newest_anchor()
@@ -147,12 +147,13 @@ def _summary_tables(summary: list[dict], live_fla: dict) -> str:
         rows = rows + _ref_rows(reg, live_fla.get(reg))
         for r in rows:
             if r.get("err_prev") is not None:
-                r["vs_prev"] = f"{r['err_prev']:.2g} (vs {r['prev']})"
-            for k in ("err_ref",):
-                if isinstance(r.get(k), float):
-                    r[k] = f"{r[k]:.2g}"
-        out.append(f"**{info['title']}**, times at {bench.shape_label(info['shape'])}"
-                   f" (GPU time where measured):\n\n" + md_table(rows, cols, heads))
+                r["vs_prev"] = (f"bitwise equal to {r['prev']}" if r["err_prev"] == 0
+                                else f"{r['err_prev']:.1e} vs {r['prev']}")
+            if isinstance(r.get("err_ref"), float):
+                r["err_ref"] = f"{r['err_ref']:.1e}"
+        what = "wall time" if reg == "cpu" else "GPU time by graph replay where measured, else eager"
+        out.append(f"**{info['title']}**: ms at {bench.shape_label(info['shape'])} ({what}):\n\n"
+                   + md_table(rows, cols, heads))
     return "\n".join(out)
 
 
@@ -224,8 +225,8 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         stage_ok = all(r["ok"] for r in rows)
         all_ok &= stage_ok
         shapes = _timed_shapes(spec, dev, quick)
-        rec_data = results.recorded(REGIMES[reg]["results"]) if (dev.type == "cuda" and REGIMES[reg]["results"]) \
-            else None
+        rec_data = results.recorded(REGIMES[reg]["results"][1], REGIMES[reg]["results"][0]) \
+            if dev.type == "cuda" else None
         live, skipped, need, rest = bench.fit_budget(spec.name, shapes, (rec_data or {}).get("rows", []),
                                                      TOUR_BUDGET_S)
         say(f"[tour] {spec.name}: timing {len(live)} shapes on {dev.type}"
@@ -311,14 +312,27 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
 
 
 def _recorded_summary(stage_name: str, why: str, reg: str) -> dict:
-    """A summary row for a stage this machine cannot run: its own recorded
-    worst errors and its recorded latency at the regime's shape."""
+    """A summary row for a stage from the recorded results: its own worst
+    errors and its latency at the regime's shape."""
     err_ref, err_prev, prev = _recorded_errors(stage_name)
     row, meta = _recorded_latency(stage_name, reg)
-    dev = (meta or {}).get("device") or (results.recorded("checks") or {}).get("meta", {}).get("device")
-    return dict(stage=stage_name, regime=reg, where=f"recorded on {dev}" if dev else f"not run here ({why})",
-                err_ref=err_ref, err_prev=err_prev, prev=prev,
+    where = f"recorded on {meta['device']}, {meta['date'][:10]}" if row else f"not run here ({why})"
+    return dict(stage=stage_name, regime=reg, where=where, err_ref=err_ref, err_prev=err_prev, prev=prev,
                 fwd_ms=bench.best_ms(row) if row else None, bwd_ms=bench.best_ms(row, "bwd") if row else None)
+
+
+def recorded_summary_markdown() -> str:
+    """The tour's summary tables from the recorded results alone (every stage,
+    FLA and FlashKDA; no measurement): the README's and the summary notebook's
+    ladder by regime."""
+    summary = []
+    for sid in STAGE_DIRS:
+        try:
+            spec = load_stage(sid).SPEC
+        except FileNotFoundError:
+            continue
+        summary.append(_recorded_summary(spec.name, "no recorded figures", regime(spec)))
+    return _summary_tables(summary, {})
 
 
 def correctness_markdown() -> str:
@@ -339,7 +353,8 @@ def correctness_markdown() -> str:
             else:
                 ref = f"{worst(r['err_ref'] for r in own):.1e}"
             p = worst(r["err_prev"] for r in own)
-            prev = "-" if p is None else ("0 (bitwise equal)" if p == 0 else f"{p:.1e}") + f" (vs {own[0]['prev']})"
+            prev = "-" if p is None else (f"bitwise equal to {own[0]['prev']}" if p == 0
+                                          else f"{p:.1e} vs {own[0]['prev']}")
             lines.append(f"| {name} | {ref} | {prev} | {data['meta']['device']}, {len(own)} outputs x "
                          f"{own[0]['cases']} cases |")
         fla = [r for r in data["rows"] if "err_fla" in r]
@@ -378,8 +393,9 @@ def tc_markdown() -> str:
 
 def results_markdown() -> str:
     """The results block of the README, from the recorded JSON files."""
-    lines = ["**Correctness** (worst relative error over all cases and outputs, `results/*/checks.json`):\n",
-             correctness_markdown()]
+    lines = ["**The ladder by regime** (each stage's own worst error over its check cases and outputs, and its "
+             "latency at one shape per regime; `results/`):\n", recorded_summary_markdown(),
+             "**Correctness per stage** (`results/*/checks.json`):\n", correctness_markdown()]
     tc = tc_markdown()
     if tc:
         data, path = results.newest_anchor()
@@ -394,6 +410,94 @@ def results_markdown() -> str:
         lines.append(f"**{p.relative_to(RESULTS_DIR.parent)}** — {results.label(data['meta'])}\n")
         lines.append(latency_table(rows))
     return "\n".join(lines)
+
+
+def stage_measured_markdown(stage_name: str) -> str:
+    """A stage README's measured figures, generated from results/: its own
+    checks, its latency rows (with FLA and FlashKDA at the same shapes) and its
+    region profile, each with where it was recorded."""
+    from .notebook import anchor_rows
+
+    out = []
+    for sub in ("cpu", "h200"):
+        data = results.recorded("checks", sub)
+        own = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name and "err_ref" in r]
+        if own:
+            out.append(f"Checks ({results.label(data['meta'])}): worst relative error per output over "
+                       f"{own[0]['cases']} cases, tolerance {own[0]['tol']:g}.\n")
+            e = lambda v: "-" if v is None else f"{v:.2e}"  # noqa: E731
+            cols, heads = ["output", "err_ref"], ["output", "vs fp64 reference"]
+            if own[0]["prev"]:
+                cols, heads = cols + ["err_prev"], heads + [f"vs {own[0]['prev']}"]
+            out.append(md_table([dict(r, err_ref=e(r["err_ref"]), err_prev=e(r["err_prev"])) for r in own], cols, heads))
+        fla = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name and "err_fla" in r]
+        if fla:
+            out.append("Against FLA `chunk_kda` on the same bf16 inputs (tolerance "
+                       f"{fla[0]['tol_fla']:g}, the two bf16 bounds added):\n")
+            out.append(md_table([dict(r, err_fla=f"{r['err_fla']:.2e}", fla_err_ref=f"{r['fla_err_ref']:.2e}") for r in fla],
+                                ["output", "err_fla", "fla_err_ref", "cases"], ["output", "stage vs FLA", "FLA vs fp64", "cases"]))
+    for sub, name in (("cpu", "tour"), ("h200", "fp32_stages"), ("h200", "tc_stages")):
+        data = results.recorded(name, sub)
+        mine = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name]
+        if not mine:
+            continue
+        refs = {}
+        for r in data["rows"]:
+            if r.get("stage") == "FLA chunk_kda":
+                refs.setdefault(bench.shape_label(r), {})["FLA"] = bench.best_ms(r)
+        if name == "tc_stages":
+            for r in anchor_rows():
+                if r["stage"] == "FlashKDA (anchor)":
+                    refs.setdefault(bench.shape_label(r), {})["FlashKDA"] = bench.best_ms(r)
+        rows = []
+        for r in mine:
+            ref = refs.get(bench.shape_label(r), {})
+            rows.append(dict(shape=bench.shape_label(r), fwd=bench.best_ms(r), bwd=bench.best_ms(r, "bwd"),
+                             fla=ref.get("FLA"), fk=ref.get("FlashKDA")))
+        cols, heads = ["shape", "fwd"], ["shape", "forward ms"]
+        if any(r["bwd"] is not None for r in rows):
+            cols, heads = cols + ["bwd"], heads + ["backward ms"]
+        if any(r["fla"] is not None for r in rows):
+            cols, heads = cols + ["fla"], heads + ["FLA forward ms"]
+        if any(r["fk"] is not None for r in rows):
+            _, path = results.newest_anchor()
+            cols, heads = cols + ["fk"], heads + [f"FlashKDA ms ({path.name})"]
+        what = "wall time" if sub == "cpu" else "GPU time by CUDA-graph replay where a call is short, else eager"
+        out.append(f"Latency ({what}; {results.label(data['meta'])}):\n")
+        out.append(md_table(rows, cols, heads))
+    data = results.recorded("profiles")
+    prof = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name]
+    if prof:
+        out.append(f"Region profile at {bench.shape_label(prof[0])} (clock64 cycles per block, mean over blocks; "
+                   f"{results.label(data['meta'])}):\n")
+        out.append(md_table([dict(region=r["region"], value=f"{r['value']:.3g}") for r in prof], ["region", "value"]))
+    return "\n".join(out) if out else "(no recorded figures yet)\n"
+
+
+MEASURED_START, MEASURED_END = "<!-- measured:start (generated by `kdalab results --write-readme`) -->", \
+    "<!-- measured:end -->"
+
+
+def stage_readme_block(stage_name: str) -> str:
+    return f"{MEASURED_START}\n{stage_measured_markdown(stage_name)}{MEASURED_END}"
+
+
+def update_stage_readmes() -> list:
+    """Rewrite the generated block of each stage README that has one."""
+    from .paths import STAGES_DIR
+
+    changed = []
+    for name in STAGE_DIRS.values():
+        path = STAGES_DIR / name / "README.md"
+        if not path.exists() or MEASURED_START not in path.read_text():
+            continue
+        text = path.read_text()
+        a, b = text.index(MEASURED_START), text.index(MEASURED_END) + len(MEASURED_END)
+        new = text[:a] + stage_readme_block(name) + text[b:]
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed
 
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"

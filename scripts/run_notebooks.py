@@ -56,8 +56,11 @@ def main() -> int:
               + "".join(f"\n    {x}" for x in problems) + (f"\n    over the {args.limit:.0f} s limit" if over else ""),
               flush=True)
         if args.write and nb is not None and not problems:
-            for cell in nb.cells:  # keep the diff small: no per-run timing metadata
+            import uuid
+
+            for cell in nb.cells:  # keep the diff small: no per-run timing metadata; every cell has an id
                 cell.get("metadata", {}).pop("execution", None)
+                cell.setdefault("id", uuid.uuid4().hex[:8])
             nbformat.write(nb, path)
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": metadata(command="python scripts/run_notebooks.py "
