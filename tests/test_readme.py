@@ -22,3 +22,13 @@ def test_readme_shows_the_recorded_figures():
     for path in README_FIGURES.values():
         assert path in text, f"README does not show {path}"
         assert (REPO_ROOT / path).exists(), f"{path} missing: run `kdalab results --write-readme`"
+
+
+def test_stage_readmes_measured_blocks_are_current():
+    from common.report import MEASURED_START, stage_readme_block
+    from common.stages import STAGE_DIRS
+
+    for name in STAGE_DIRS.values():
+        text = (REPO_ROOT / "stages" / name / "README.md").read_text()
+        assert MEASURED_START in text, f"{name}/README.md has no generated measured block"
+        assert stage_readme_block(name) in text, f"{name}/README.md is stale: run `kdalab results --write-readme`"
