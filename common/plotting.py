@@ -17,6 +17,7 @@ from __future__ import annotations
 import zlib
 
 import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgba
 
 # Phase families: colormap -> region names, in the order their shades are given.
 _FAMILIES = {
@@ -118,7 +119,7 @@ def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the tim
             seen.setdefault(region, bar)
             if share >= min_label:
                 short = region.split(":", 1)[-1].strip()
-                r, g, b, _ = region_color(region)
+                r, g, b, _ = to_rgba(region_color(region))
                 ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"  # readable on dark shades
                 ax.text(left + share / 2, y, short, ha="center", va="center", fontsize=7, clip_on=True, color=ink)
             left += share
