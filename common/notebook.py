@@ -259,28 +259,29 @@ def latency(stage_ids, *, y: str = "fwd", title=None, budget_s: float = LIVE_BUD
         if rec_rows and meta is not None:
             print("recorded: " + results.label(meta))
     ykey = f"{y}_best_ms"
-    rows, style = [], {}
+    rows = []
     live_labels = {(r["stage"], bench.shape_label(r)) for r in live_rows}
-    for r, where in [(r, "live") for r in live_rows] + [(r, "recorded") for r in rec_rows]:
-        if where == "recorded" and (r["stage"], bench.shape_label(r)) in live_labels:
+    for r, recorded in [(r, False) for r in live_rows] + [(r, True) for r in rec_rows]:
+        if recorded and (r["stage"], bench.shape_label(r)) in live_labels:
             continue
         if r["H"] == 64 and r["K"] == 128:  # the seed's shape: one point, shown by the ladder, not a T sweep
             continue
         v = bench.best_ms(r, y)
         if v is None:
             continue
-        series = (f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']}, {'live' if where == 'live' else 'recorded H200'})"
-                  + _eager_mark(r, y))
-        rows.append(dict(r, **{ykey: v, "series": series}))
-        style[series] = {} if where == "live" else {"linestyle": "--"}
+        where = "H200" if r.get("device", "cuda") != "cpu" else "CPU"
+        series = f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']}{', ' + where if live_rows and rec_rows else ''})" \
+            + _eager_mark(r, y)
+        rows.append(dict(r, **{ykey: v, "series": series, "recorded": recorded}))
     if not rows:
         print("no latency figures for these stages on this machine yet")
         return None
     order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
     rows.sort(key=lambda r: (order.get(r["stage"], 99), r["T"]))  # legend in ladder order, FLA last
     what = "GPU time where measured" if any(r.get("device", "cuda") != "cpu" for r in rows) else "wall time"
-    return plot_latency(rows, y=ykey, by="series", style=style, ylabel=f"{y} ms ({what})",
-                        title=title or f"{'Forward' if y == 'fwd' else 'Backward'} latency against T")
+    return plot_latency(rows, y=ykey, by="series", ylabel=f"{y} ms ({what})",
+                        title=(title or f"{'Forward' if y == 'fwd' else 'Backward'} latency against T")
+                        + ("" if live_rows else " (recorded on the H200)"))
 
 
 def _eager_mark(row: dict, y: str) -> str:

@@ -139,18 +139,31 @@ def plot_profile(profiles: dict, unit: str = "s", *, title: str = "Where the tim
 def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title: str = "Latency",
                  ax=None, logy: bool = True, logx: bool = True, xlabel: str | None = None,
                  ylabel: str | None = None, style: dict | None = None):
-    """One line per value of ``by`` through the points (row[x], row[y])."""
+    """One line per value of ``by`` through the points (row[x], row[y]). A row
+    with ``recorded`` true is drawn as a hollow marker joined by a dashed
+    segment, so live and recorded points of one series read as one curve."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7.2, 4.4))
     groups: dict = {}
     for r in rows:
         if r.get(y) is None:
             continue
-        groups.setdefault(r[by], []).append((r[x], r[y]))
+        groups.setdefault(r[by], []).append((r[x], r[y], bool(r.get("recorded"))))
+    any_recorded = False
     for name, pts in groups.items():
         pts.sort()
         kw = dict(color=series_color(str(name)), **(style or {}).get(name, {}))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name), **kw)
+        xs, ys, rec = [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
+        ax.plot([], [], marker="o", label=str(name), **kw)  # the legend entry
+        for i in range(len(pts) - 1):
+            dashed = rec[i] or rec[i + 1]
+            ax.plot(xs[i:i + 2], ys[i:i + 2], linestyle="--" if dashed else kw.get("linestyle", "-"),
+                    color=kw["color"])
+        for xi, yi, ri in pts:
+            ax.plot([xi], [yi], marker="o", color=kw["color"], markerfacecolor="white" if ri else kw["color"])
+        any_recorded |= any(rec)
+    if any_recorded:
+        ax.plot([], [], marker="o", linestyle="--", color="0.4", markerfacecolor="white", label="hollow, dashed: recorded")
     if logy:
         ax.set_yscale("log")
     if logx:

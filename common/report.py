@@ -270,16 +270,25 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
                     live_fla[reg] = bench.bench_stage("fla", REGIMES[reg]["shape"], **kw)
     figs = []
     for reg in REGIMES:
-        rows = [r for r in lat_rows if regime(load_stage(r["stage"][:2]).SPEC) == reg and bench.best_ms(r)]
+        rows = [dict(r) for r in lat_rows if regime(load_stage(r["stage"][:2]).SPEC) == reg and bench.best_ms(r)
+                and not (r["H"] == 64 and r["K"] == 128 and reg == "fp32-gpu")]  # the seed's shape: not a T sweep
         if not rows:
             continue
-        style = {}
         for r in rows:
-            r["series"] = f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']}{', recorded H200' if r['where'] == 'recorded' else ''})"
+            r["series"] = f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})"
             r["fwd_best_ms"] = bench.best_ms(r)
-            style[r["series"]] = {"linestyle": "--"} if r["where"] == "recorded" else {}
-        ax = plot_latency(rows, y="fwd_best_ms", by="series", style=style, ylabel="forward ms",
-                          title=f"Forward latency: {REGIMES[reg]['title']}")
+            r["recorded"] = r["where"] == "recorded"
+        x = "T" if reg != "tc-gpu" else "shape"
+        if reg == "tc-gpu":  # six shapes, not a T sweep: one bar group per shape
+            from .plotting import plot_bars
+
+            for r in rows:
+                r["shape"] = bench.shape_label(r)
+            ax = plot_bars(rows, x="shape", y="fwd_best_ms", by="stage", ylabel="forward ms",
+                           title=f"Forward latency: {REGIMES[reg]['title']}")
+        else:
+            ax = plot_latency(rows, x=x, y="fwd_best_ms", by="series", ylabel="forward ms",
+                              title=f"Forward latency: {REGIMES[reg]['title']}")
         name = f"latency_{reg}.png"
         ax.figure.savefig(out_dir / name, dpi=110)
         figs.append(name)

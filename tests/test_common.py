@@ -62,7 +62,19 @@ def test_plots_draw():
     texts = [t.get_text() for t in ax.texts]
     assert "3 cycles" in texts and "0.5 cycles" in texts  # each bar's total beside it
     ax = plotting.plot_latency([dict(stage="s", T=64, ms=1.0), dict(stage="s", T=128, ms=2.0)], y="ms")
-    assert len(ax.lines) == 1
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["s"]
+    pts = {(float(x), float(y)) for line in ax.lines for x, y in zip(line.get_xdata(), line.get_ydata())}
+    assert pts == {(64.0, 1.0), (128.0, 2.0)}
+
+
+def test_recorded_points_are_hollow_and_dashed():
+    rows = [dict(stage="s", T=64, ms=1.0), dict(stage="s", T=128, ms=2.0, recorded=True)]
+    ax = plotting.plot_latency(rows, y="ms")
+    segments = [line for line in ax.lines if len(line.get_xdata()) == 2]
+    assert [line.get_linestyle() for line in segments] == ["--"]
+    hollow = [line for line in ax.lines if len(line.get_xdata()) == 1 and line.get_markerfacecolor() == "white"]
+    assert [float(line.get_xdata()[0]) for line in hollow] == [128.0]
+    assert "hollow, dashed: recorded" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_profile_totals_in_the_unit_of_the_axis():
