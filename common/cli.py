@@ -131,7 +131,15 @@ def cmd_check(args) -> int:
     return EXIT_OK
 
 
+def _headless_plots() -> None:
+    """The command line saves figures to files: draw them without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+
 def cmd_tour(args) -> int:
+    _headless_plots()
     from . import report
     from .paths import REPORTS_DIR
     from .stages import STAGE_DIRS
@@ -195,6 +203,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_results(args) -> int:
+    _headless_plots()
     from . import report
 
     if args.write_readme:
