@@ -119,7 +119,11 @@ def main() -> int:
     missed = [r for r in rows if r["caught"] is not True]
     print(f"\n{len(rows) - len(missed)} of {len(rows)} planted bugs caught")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        sys.path.insert(0, str(ROOT))
+        from common.results import metadata
+
+        meta = metadata(command="python scripts/plant_bugs.py " + " ".join(sys.argv[1:]), device="cpu")
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 1 if missed else 0
 
 
