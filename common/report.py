@@ -23,7 +23,7 @@ from pathlib import Path
 from . import bench, checks, results
 from .metrics import worst
 from .paths import RESULTS_DIR
-from .plotting import plot_latency, plot_profile, split_bars
+from .plotting import plot_bars, plot_latency, plot_profile, split_bars
 from .stages import STAGE_DIRS, load_stage, previous
 
 # The shape a stage's profile is taken at, per device type.
@@ -278,16 +278,13 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
             r["series"] = f"{r['stage']} (B{r['B']} H{r['H']} K{r['K']})"
             r["fwd_best_ms"] = bench.best_ms(r)
             r["recorded"] = r["where"] == "recorded"
-        x = "T" if reg != "tc-gpu" else "shape"
         if reg == "tc-gpu":  # six shapes, not a T sweep: one bar group per shape
-            from .plotting import plot_bars
-
             for r in rows:
                 r["shape"] = bench.shape_label(r)
             ax = plot_bars(rows, x="shape", y="fwd_best_ms", by="stage", ylabel="forward ms",
                            title=f"Forward latency: {REGIMES[reg]['title']}")
         else:
-            ax = plot_latency(rows, x=x, y="fwd_best_ms", by="series", ylabel="forward ms",
+            ax = plot_latency(rows, y="fwd_best_ms", by="series", ylabel="forward ms",
                               title=f"Forward latency: {REGIMES[reg]['title']}")
         name = f"latency_{reg}.png"
         ax.figure.savefig(out_dir / name, dpi=110)

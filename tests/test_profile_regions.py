@@ -4,7 +4,6 @@ record a positive time. A region that stops recording is dropped as zero by
 common.extrun.profile, so it shows up as missing."""
 
 import pytest
-import torch
 
 from common import checks
 from common.stages import load_stage, stage_ids
