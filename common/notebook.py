@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from . import bench, checks, results
+from .results import FLA_TC, anchor_rows
 from .bench import progress_bar
 from .build import resource_usage
 from .fla_ref import fla_available
@@ -310,27 +311,6 @@ def resources(stage_id) -> pd.DataFrame:
     rows = resource_usage(STAGES_DIR / STAGE_DIRS[stage.SPEC.id], stage.SOURCES,
                           cutlass=stage.SPEC.extra.get("cutlass", False))
     return pd.DataFrame(rows)
-
-
-FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
-
-
-def anchor_rows(fla_measured_at=frozenset()):
-    """FLA / FlashKDA figures of the newest anchor file (results/anchors/,
-    measured on the same H200 beside the stages), as rows like the benchmark's.
-    FLA's anchor is left out at the shapes (bench.shape_label) where FLA itself
-    was measured by this project."""
-    data, path = results.newest_anchor()
-    rows = []
-    for r in (data or {}).get("rows", []):
-        shape = dict(B=r["B"], T=r["T"], H=r["H"], K=r["D"], V=r["D"])
-        fla, fk = r.get("fla_ms", r.get("fla_safe_graph_ms")), r.get("flashkda_ms", r.get("flashkda_graph_ms"))
-        if fla is not None and bench.shape_label(shape) not in fla_measured_at:
-            rows.append(dict(stage=FLA_TC + " (anchor)", **shape, fwd_graph_ms=fla, anchor=path.name))
-        if fk is not None:
-            rows.append(dict(stage="FlashKDA (anchor)", **shape, fwd_graph_ms=fk, anchor=path.name,
-                             peak_mb=r.get("flashkda_peak_mb")))
-    return rows
 
 
 @figure

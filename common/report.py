@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from . import bench, checks, results
+from .results import anchor_rows
 from .metrics import worst
 from .paths import RESULTS_DIR
 from .plotting import plot_bars, plot_latency, plot_profile, split_bars
@@ -376,8 +377,6 @@ def correctness_markdown() -> str:
 def tc_markdown() -> str:
     """The tensor-core stages, FLA and FlashKDA at the H200 shapes (forward, GPU
     time in ms), from results/h200/tc_stages.json and the newest anchor."""
-    from .notebook import anchor_rows
-
     data = results.recorded("tc_stages")
     if not data:
         return ""
@@ -422,8 +421,6 @@ def stage_measured_markdown(stage_name: str) -> str:
     """A stage README's measured figures, generated from results/: its own
     checks, its latency rows (with FLA and FlashKDA at the same shapes) and its
     region profile, each with where it was recorded."""
-    from .notebook import anchor_rows
-
     out = []
     for sub in ("cpu", "h200"):
         data = results.recorded("checks", sub)

@@ -77,6 +77,29 @@ def newest_anchor():
     return (load(files[-1]), files[-1]) if files else (None, None)
 
 
+FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
+
+
+def anchor_rows(fla_measured_at=frozenset()):
+    """FLA / FlashKDA figures of the newest anchor file (results/anchors/,
+    measured on the same H200 beside the stages), as rows like the benchmark's.
+    FLA's anchor is left out at the shapes (bench.shape_label) where FLA itself
+    was measured by this project."""
+    from .bench import shape_label
+
+    data, path = newest_anchor()
+    rows = []
+    for r in (data or {}).get("rows", []):
+        shape = dict(B=r["B"], T=r["T"], H=r["H"], K=r["D"], V=r["D"])
+        fla, fk = r.get("fla_ms", r.get("fla_safe_graph_ms")), r.get("flashkda_ms", r.get("flashkda_graph_ms"))
+        if fla is not None and shape_label(shape) not in fla_measured_at:
+            rows.append(dict(stage=FLA_TC + " (anchor)", **shape, fwd_graph_ms=fla, anchor=path.name))
+        if fk is not None:
+            rows.append(dict(stage="FlashKDA (anchor)", **shape, fwd_graph_ms=fk, anchor=path.name,
+                             peak_mb=r.get("flashkda_peak_mb")))
+    return rows
+
+
 def label(meta: dict) -> str:
     """One line saying where recorded figures come from."""
     return (f"recorded on {meta.get('device')} at {meta.get('date')}, commit {meta.get('commit')}, "
