@@ -100,8 +100,12 @@ def cuda_arch_list() -> str:
     return "9.0"
 
 
-def extension_name(stage_name: str, profile: bool = False) -> str:
-    return "kda_" + re.sub(r"\W", "_", stage_name) + ("_prof" if profile else "")
+def extension_name(stage_name: str, profile: bool = False, variant: str | None = None) -> str:
+    """The module (and build directory) name: kda_<stage>[_<variant>][_prof]."""
+    name = "kda_" + re.sub(r"\W", "_", stage_name)
+    if variant:
+        name += "_" + re.sub(r"\W", "_", variant)
+    return name + ("_prof" if profile else "")
 
 
 _LOADED: dict = {}
@@ -192,14 +196,22 @@ class _Ticker:
 
 def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, profile: bool = False,
                    cutlass: bool = False, extra_cflags=(), extra_cuda_cflags=(), verbose: bool = False,
-                   quiet: bool = False):
+                   quiet: bool = False, variant: str | None = None, defines=()):
     """Build (if needed) and import one stage's extension.
 
     ``sources`` are file names relative to ``stage_dir``. The build lives in
     build/<extension name>/; ninja rebuilds only what changed. Raises
     :class:`CompileError` when the sources do not compile.
+
+    ``variant`` names a build of the same sources with extra preprocessor
+    ``defines`` (an ablation: "KDA_NO_LOAD_WARP" or "NAME=VALUE"); it gets its
+    own module and build directory. Every build defines KDA_STAGE_NAME, so the
+    sources name their stage without a string written by hand
+    (common/include/kda_binding.h).
     """
-    name = extension_name(stage_name, profile)
+    if bool(variant) != bool(defines):
+        raise ValueError("variant and defines go together")
+    name = extension_name(stage_name, profile, variant)
     if name in _LOADED:
         return _LOADED[name]
     home = setup_cuda_home()  # before torch.utils.cpp_extension reads it at import
@@ -224,7 +236,10 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
             raise RuntimeError("CUTLASS/CuTe headers not found: pip install nvidia-cutlass "
                                "(or set CUTLASS_PATH to a CUTLASS checkout)")
         includes.append(inc)
-    defs = ["-DKDA_PROFILE"] if profile else []
+    if not re.fullmatch(r"\w+", stage_name):
+        raise ValueError(f"stage name {stage_name!r} must be a C identifier-like token")
+    defs = [f"-DKDA_STAGE_NAME={stage_name}"] + [f"-D{d}" for d in defines]
+    defs += ["-DKDA_PROFILE"] if profile else []
     # torch adds the C++ standard its headers need (C++20 from torch 2.14 on)
     cflags = ["-O3"] + defs + list(extra_cflags)
     cuda_flags = ["-O3", "-lineinfo"] + defs + list(extra_cuda_cflags)
@@ -363,20 +378,28 @@ def _parse_ptxas(text: str):
     return rows
 
 
-def build_parallel(stage_ids, *, profile: bool = True, say=print, jobs: int | None = None) -> dict:
-    """Build stages (and their profile variants) in parallel processes, one per
-    extension, as a tour or a GPU session does before anything else. Returns
-    {stage id: the compiler's error lines} for those that failed."""
+def build_parallel(stage_ids, *, profile: bool = True, say=print, jobs: int | None = None,
+                   ablations: bool = False) -> dict:
+    """Build stages (and their profile variants, and with ``ablations`` every
+    ablation variant of theirs) in parallel processes, one per extension, as a
+    tour or a GPU session does before anything else. Returns {stage id (or
+    "id -ablation"): the compiler's error lines} for those that failed."""
     from concurrent.futures import ThreadPoolExecutor
 
     code = ("import sys\nfrom common.build import CompileError\nfrom common.stages import load_stage\n"
-            "try:\n    load_stage(sys.argv[1]).build(profile=sys.argv[2] == '1')\n"
+            "try:\n    load_stage(sys.argv[1]).build(profile=sys.argv[2] == '1', "
+            "**({'ablation': sys.argv[3]} if len(sys.argv) > 3 else {}))\n"
             "except CompileError as e:\n    print(e)\n    sys.exit(4)\n")
     from .paths import REPO_ROOT
     from .stages import load_stage
 
-    todo = [(s, p) for s in stage_ids if getattr(load_stage(s), "SOURCES", None)
-            for p in (("0", "1") if profile else ("0",))]
+    todo = []
+    for s in stage_ids:
+        stage = load_stage(s)
+        if not getattr(stage, "SOURCES", None):
+            continue
+        variants = [()] + ([(a.name,) for a in getattr(stage, "ABLATIONS", ())] if ablations else [])
+        todo += [(s, p) + v for v in variants for p in (("0", "1") if profile else ("0",))]
     if not todo:
         return {}
     n = jobs or max(1, min(len(todo), (os.cpu_count() or 2) // 2))
@@ -384,18 +407,19 @@ def build_parallel(stage_ids, *, profile: bool = True, say=print, jobs: int | No
     t0 = time.time()
 
     def one(job):
-        sid, prof = job
-        out = subprocess.run([sys.executable, "-c", code, sid, prof], capture_output=True, text=True, cwd=REPO_ROOT,
+        sid, prof = job[:2]
+        what = sid + "".join(f" -{a}" for a in job[2:])
+        out = subprocess.run([sys.executable, "-c", code, *job], capture_output=True, text=True, cwd=REPO_ROOT,
                              env=env)
-        say(f"{sid}{' (profile)' if prof == '1' else ''}: {'built' if out.returncode == 0 else 'FAILED'} "
+        say(f"{what}{' (profile)' if prof == '1' else ''}: {'built' if out.returncode == 0 else 'FAILED'} "
             f"({time.time() - t0:.0f} s)")
-        return sid, out.returncode, out.stdout + out.stderr
+        return what, out.returncode, out.stdout + out.stderr
 
     failed = {}
     with ThreadPoolExecutor(n) as ex:
-        for sid, rc, text in ex.map(one, todo):
+        for what, rc, text in ex.map(one, todo):
             if rc != 0:
-                failed[sid] = text.strip()[-3000:]
+                failed[what] = text.strip()[-3000:]
     return failed
 
 

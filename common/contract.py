@@ -70,6 +70,34 @@ class StageSpec:
         return False, f"runs on {self.devices}, not available here"
 
 
+@dataclass(frozen=True)
+class Ablation:
+    """One idea of a multi-idea stage, turned off at compile time.
+
+    The stage's sources keep the idea under ``#ifndef <define>`` and do what the
+    previous stage did instead; the variant must still pass the stage's checks.
+    common.ablation builds, checks and times each variant beside the stage.
+    """
+
+    name: str  # short id, e.g. "no_load_warp" (the build variant's name)
+    define: str  # the preprocessor switch, e.g. "KDA_NO_LOAD_WARP"
+    idea: str  # the idea it turns off, as the stage's README names it
+    instead: str  # what the variant does instead
+    region: str  # the profile region where the idea shows (a name in SPEC.regions)
+
+
+def ablation_build_args(ablations, name) -> dict:
+    """load_extension's keyword arguments for ``name`` (one of ``ablations``;
+    None: the stage itself)."""
+    if name is None:
+        return {}
+    for a in ablations:
+        if a.name == name:
+            return {"variant": a.name, "defines": (a.define,)}
+    known = ", ".join(a.name for a in ablations) or "none"
+    raise ValueError(f"ablation must be one of this stage's ablations ({known}), got {name!r}")
+
+
 @dataclass
 class Call:
     """A validated call: contiguous tensors in the stage's dtypes plus sizes."""

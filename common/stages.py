@@ -59,3 +59,34 @@ def previous(stage_id):
     ids = list(STAGE_DIRS)
     i = ids.index(sid)
     return ids[i - 1] if i > 0 else None
+
+
+# What `diff -ru stages/<previous> stages/<this>` counts: the code, not the README.
+DIFF_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".h")
+
+
+def neighbour_diff(stage_id) -> list[dict]:
+    """Lines added and removed per file from the previous stage's directory to
+    this one's (the files `diff -ru` compares, READMEs left out): the size of
+    the lesson. Empty for stage 00."""
+    import difflib
+
+    sid = normalize(stage_id)
+    pid = previous(sid)
+    if pid is None:
+        return []
+    a, b = STAGES_DIR / STAGE_DIRS[pid], STAGES_DIR / STAGE_DIRS[sid]
+    names = sorted({p.name for d in (a, b) for p in d.iterdir() if p.suffix in DIFF_SUFFIXES})
+    rows = []
+    for n in names:
+        old = (a / n).read_text().splitlines() if (a / n).exists() else []
+        new = (b / n).read_text().splitlines() if (b / n).exists() else []
+        plus = minus = 0
+        for line in difflib.unified_diff(old, new, lineterm="", n=0):
+            if line.startswith("+") and not line.startswith("+++"):
+                plus += 1
+            elif line.startswith("-") and not line.startswith("---"):
+                minus += 1
+        if plus or minus:
+            rows.append(dict(file=n, added=plus, removed=minus))
+    return rows

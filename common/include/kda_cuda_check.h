@@ -22,3 +22,45 @@ inline void kda_check(cudaError_t err, const char* what) {
               cudaGetErrorString(err));
 }
 #endif
+
+// ---------------------------------------------------------------------------
+// Launch configurations, as the launchers chose them.
+//
+// A launcher notes each kernel it starts, next to the launch:
+//   kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, grid, block, smem);
+//   kda_prepare_kernel<K, V><<<grid, block, smem, stream>>>(p);
+// The binding clears the log before a call (kda_launch_log().clear()) and
+// exposes it to Python as ext.launches(): the grid, block and *dynamic* shared
+// memory of the last call's kernels, which ptxas's static report cannot know,
+// with the registers and static shared memory of the instantiation launched.
+#include <vector>
+
+struct KdaLaunch {
+  const char* kernel;
+  const void* func;   // for cudaFuncGetAttributes, looked up only when asked
+  long long grid;     // blocks (x * y * z)
+  int block;          // threads per block
+  size_t dynamic_smem;
+};
+
+inline std::vector<KdaLaunch>& kda_launch_log() {
+  static std::vector<KdaLaunch> log;  // one per extension (.so): both TUs share it
+  return log;
+}
+
+inline void kda_note_launch(const char* kernel, const void* func, dim3 grid, dim3 block, size_t dynamic_smem) {
+  kda_launch_log().push_back({kernel, func, (long long)grid.x * grid.y * grid.z,
+                              (int)(block.x * block.y * block.z), dynamic_smem});
+}
+
+// Opt a kernel in to more than the default 48 KiB of dynamic shared memory, after
+// checking that the device has it (cudaErrorInvalidValue when it does not).
+template <class Kernel>
+cudaError_t kda_allow_smem(Kernel* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int dev = 0, optin = 0;
+  KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (bytes > (size_t)optin) return cudaErrorInvalidValue;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}

@@ -31,6 +31,7 @@
 
 #include "kda.h"
 #include "kda_cuda_check.h"
+#include "kda_device.cuh"  // sigmoid_f, softplus_f, warp_sum
 #include "kda_profile.cuh"
 
 namespace {
@@ -41,10 +42,6 @@ constexpr int kThreads = 128;  // threads per block of the per-(b, h) kernels
 // ---------------------------------------------------------------------------
 // small helpers
 // ---------------------------------------------------------------------------
-
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // Gate a(x), x = g + dt_bias[h, d], aexp = exp(A_log[h]).
 //   softplus (gate_id 0): a = -aexp * softplus(x)
@@ -647,12 +644,16 @@ static __global__ void kda_bwd_pre_kernel(const __grid_constant__ KdaBwdParams p
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, cudaStream_t stream) {
   const int BH = p.B * p.H;  // >= 1 (checked by the binding)
   const dim3 grid((unsigned)(((long long)BH + kThreads - 1) / kThreads)), block(kThreads);
+  kda_note_launch("kda_pre_kernel", (const void*)kda_pre_kernel, dim3(grid), dim3(block), 0);
   kda_pre_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
+  kda_note_launch("kda_wy_kernel", (const void*)kda_wy_kernel, dim3(grid), dim3(block), 0);
   kda_wy_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
+  kda_note_launch("kda_aqk_kernel", (const void*)kda_aqk_kernel, dim3(grid), dim3(block), 0);
   kda_aqk_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
+  kda_note_launch("kda_recur_kernel", (const void*)kda_recur_kernel, dim3(grid), dim3(block), 0);
   kda_recur_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
   return cudaSuccess;
@@ -662,10 +663,13 @@ cudaError_t kda_bwd_launch(const KdaBwdParams& p, cudaStream_t stream) {
   KDA_RETURN_IF_ERROR(kda_fwd_launch(p.f, stream));  // recompute; keeps every S_n
   const int BH = p.f.B * p.f.H;
   const dim3 grid((unsigned)(((long long)BH + kThreads - 1) / kThreads)), block(kThreads);
+  kda_note_launch("kda_bwd_recur_kernel", (const void*)kda_bwd_recur_kernel, dim3(grid), dim3(block), 0);
   kda_bwd_recur_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
+  kda_note_launch("kda_bwd_wy_kernel", (const void*)kda_bwd_wy_kernel, dim3(grid), dim3(block), 0);
   kda_bwd_wy_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
+  kda_note_launch("kda_bwd_pre_kernel", (const void*)kda_bwd_pre_kernel, dim3(grid), dim3(block), 0);
   kda_bwd_pre_kernel<<<grid, block, 0, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
   return cudaSuccess;

@@ -13,7 +13,7 @@ import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, prepare
+from common.contract import StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
@@ -36,9 +36,15 @@ SPEC = StageSpec(
 )
 
 
-def build(profile=False, verbose=False):
-    """Compile (or load the cached build of) this stage's extension."""
-    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, profile=profile, verbose=verbose)
+# The ideas of this stage that can be turned off one at a time (common/ablation.py).
+ABLATIONS = ()
+
+
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
+    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, profile=profile, verbose=verbose,
+                          **ablation_build_args(ABLATIONS, ablation))
 
 
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,

@@ -46,12 +46,13 @@
 
 #include "kda.h"
 #include "kda_cuda_check.h"
+#include "kda_device.cuh"  // sigmoid_f, softplus_f, warp_sum
 #include "kda_profile.cuh"
 
 // (A named namespace, not an anonymous one: nvcc's generated registration code
 // cannot name kernels of an anonymous namespace once CuTe's headers, which have
 // anonymous namespaces of their own inside namespace cute, are included.)
-namespace kda07 {
+namespace kda_stage {
 
 using namespace cute;
 using bf16 = cute::bfloat16_t;  // same bits as __nv_bfloat16 / torch.bfloat16
@@ -169,15 +170,6 @@ __device__ __forceinline__ auto smem_cols(T* ptr) {
 // ---------------------------------------------------------------------------
 // small helpers
 // ---------------------------------------------------------------------------
-
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// Sum over the 32 lanes; every lane gets the same (bitwise) result.
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
-  return x;
-}
 
 // N contiguous elements between global/shared memory and registers as ONE vector
 // access (N * sizeof(T) must be 4, 8 or 16 bytes; the address aligned to it).
@@ -733,22 +725,13 @@ __global__ void __launch_bounds__(32) kda_frag_check_kernel(const bf16* A, const
 // launch helpers
 // ---------------------------------------------------------------------------
 
-// Dynamic shared memory above the default 48 KB needs an opt-in per kernel.
-template <typename Kernel>
-cudaError_t allow_smem(Kernel* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  int dev = 0, optin = 0;
-  KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (bytes > (size_t)optin) return cudaErrorInvalidValue;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-}
 
 template <int K, int V, int NCW>
 cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.B * p.H * (V / (VW * NCW));
   const size_t smem = sizeof(K2Smem<K, NCW>);
-  KDA_RETURN_IF_ERROR(allow_smem(kda_recurrence_kernel<K, V, NCW>, smem));
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_recurrence_kernel<K, V, NCW>, smem));
+  kda_note_launch("kda_recurrence_kernel", (const void*)kda_recurrence_kernel<K, V, NCW>, dim3((unsigned)blocks), dim3(32 * (NCW + 1)), smem);
   kda_recurrence_kernel<K, V, NCW><<<(unsigned)blocks, 32 * (NCW + 1), smem, stream>>>(p);
   return cudaGetLastError();
 }
@@ -758,7 +741,8 @@ cudaError_t launch(const KdaFwdParams& p, cudaStream_t stream) {
   const long long bhs = (long long)p.B * p.H;  // B*H*NT and B*H*V/16 <= INT_MAX (checked by the binding)
 
   const size_t smem1 = sizeof(K1Smem<K, V>);
-  KDA_RETURN_IF_ERROR(allow_smem(kda_prepare_kernel<K, V>, smem1));
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
+  kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NT)), dim3(kThreads), smem1);
   kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NT), kThreads, smem1, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
 
@@ -772,26 +756,26 @@ cudaError_t launch(const KdaFwdParams& p, cudaStream_t stream) {
   return launch_recurrence<K, V, 1>(p, stream);
 }
 
-}  // namespace kda07
+}  // namespace kda_stage
 
 // ---------------------------------------------------------------------------
 // launcher
 // ---------------------------------------------------------------------------
 
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, cudaStream_t stream) {
-  if (p.B < 1 || p.T < 1 || p.H < 1 || p.NT != (p.T + kda07::BT - 1) / kda07::BT || p.K != p.V)
+  if (p.B < 1 || p.T < 1 || p.H < 1 || p.NT != (p.T + kda_stage::BT - 1) / kda_stage::BT || p.K != p.V)
     return cudaErrorInvalidValue;
-  if (p.K == 64) return kda07::launch<64, 64>(p, stream);
-  if (p.K == 128) return kda07::launch<128, 128>(p, stream);
+  if (p.K == 64) return kda_stage::launch<64, 64>(p, stream);
+  if (p.K == 128) return kda_stage::launch<128, 128>(p, stream);
   return cudaErrorInvalidValue;
 }
 
 cudaError_t kda_frag_check_launch(const __nv_bfloat16* A, const float* X, float* out, int kd, cudaStream_t stream) {
-  const auto* a = reinterpret_cast<const kda07::bf16*>(A);
+  const auto* a = reinterpret_cast<const kda_stage::bf16*>(A);
   switch (kd) {
-    case 16: kda07::kda_frag_check_kernel<16><<<1, 32, 0, stream>>>(a, X, out); break;
-    case 64: kda07::kda_frag_check_kernel<64><<<1, 32, 0, stream>>>(a, X, out); break;
-    case 128: kda07::kda_frag_check_kernel<128><<<1, 32, 0, stream>>>(a, X, out); break;
+    case 16: kda_stage::kda_frag_check_kernel<16><<<1, 32, 0, stream>>>(a, X, out); break;
+    case 64: kda_stage::kda_frag_check_kernel<64><<<1, 32, 0, stream>>>(a, X, out); break;
+    case 128: kda_stage::kda_frag_check_kernel<128><<<1, 32, 0, stream>>>(a, X, out); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

@@ -14,10 +14,10 @@ import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, prepare
+from common.contract import StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["binding.cpp", "kda.cu"]
+SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
     name="07_movm_register",
@@ -42,6 +42,10 @@ SPEC = StageSpec(
     extra={"cutlass": True, "min_sm": 80},
 )
 
+# The ideas of this stage that can be turned off one at a time (common/ablation.py).
+ABLATIONS = ()
+
+
 # CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
 # switch off; CuTe's constexpr helpers are called from device code.
 CUDA_FLAGS = [
@@ -51,10 +55,12 @@ CUDA_FLAGS = [
 ]
 
 
-def build(profile=False, verbose=False):
-    """Compile (or load the cached build of) this stage's extension."""
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
-                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose)
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          **ablation_build_args(ABLATIONS, ablation))
 
 
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
