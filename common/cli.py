@@ -5,6 +5,7 @@
     kdalab tour                 every stage this machine can run: build, check, time, profile -> reports/
     kdalab bench ...            latency sweep to a JSON results file (used on the GPU)
     kdalab results              the recorded results table (the README's table is this output)
+    kdalab ablate 06            each idea of a multi-idea stage turned off alone: checked, timed, profiled
 
 Exit codes: 0 done (checks passed); 1 a check failed, or nothing could be
 measured; 2 a usage error (one line on stderr); 3 compiled but NOT checked (the
@@ -202,6 +203,41 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+def cmd_ablate(args) -> int:
+    from . import ablation
+    from .stages import load_stage
+
+    sid = _stage_id(args.stage)
+    spec, ok, why = _runnable(sid)
+    if spec is None:
+        raise UsageError(why)
+    abls = ablation.ablations(sid)
+    if not abls:
+        raise UsageError(f"stage {spec.name} has one idea: no ablations (stages with some: "
+                         f"{', '.join(ablation.stages_with_ablations()) or 'none'})")
+    stage = load_stage(sid)
+    if _build(stage, True, args.verbose) is None:
+        return EXIT_COMPILE
+    for a in abls:
+        _say(f"building stage {spec.name} without {a.idea} (-D{a.define}) ...")
+        if _build(ablation.variant(sid, a.name), True, args.verbose) is None:
+            return EXIT_COMPILE
+    if not ok:
+        _say(f"stage {spec.name} and its {len(abls)} ablations: compiled, NOT measured: needs a GPU ({why}).")
+        return EXIT_NOT_CHECKED
+    from .results import metadata, save
+
+    rows = ablation.measure(sid, quick=args.quick, say=_say)
+    if args.out:
+        save(args.out, rows, metadata(command=f"kdalab ablate {sid}" + (" --quick" if args.quick else "")))
+        _say(f"wrote {args.out}")
+    for b in ablation.bought(rows):
+        _say(f"  without {b['idea']}: forward x{b.get('fwd_speedup', float('nan')):.2f}"
+             + (f", backward x{b['bwd_speedup']:.2f}" if "bwd_speedup" in b else "")
+             + ("" if b["checks_ok"] else "  CHECKS FAILED"))
+    return EXIT_OK if all(r["checks_ok"] for r in rows) else EXIT_FAILED
+
+
 def cmd_results(args) -> int:
     _headless_plots()
     from . import report
@@ -251,6 +287,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--forward-only", action="store_true", help="time the forward only")
     b.add_argument("--out", required=True)
     b.set_defaults(fn=cmd_bench)
+    a = sub.add_parser("ablate", help="each idea of a multi-idea stage turned off alone: checked, timed, profiled")
+    a.add_argument("stage", help="stage id with ablations, e.g. 06")
+    a.add_argument("--quick", action="store_true", help="fewer check cases")
+    a.add_argument("--out", default=None, help="JSON results file to write")
+    a.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    a.set_defaults(fn=cmd_ablate)
     r = sub.add_parser("results", help="print the recorded results table")
     r.add_argument("--write-readme", action="store_true", help="rewrite the results block of README.md")
     r.set_defaults(fn=cmd_results)

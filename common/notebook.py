@@ -25,7 +25,7 @@ from .bench import progress_bar
 from .build import resource_usage
 from .fla_ref import fla_available
 from .paths import STAGES_DIR
-from .plotting import plot_bars, plot_latency, plot_profile, split_bars
+from .plotting import plot_ablation, plot_bars, plot_latency, plot_profile, split_bars
 from .report import PROFILE_SHAPE
 from .stages import STAGE_DIRS, load_stage, previous
 
@@ -304,13 +304,65 @@ def latency_rows(stage_ids, name: str = "fp32_stages") -> pd.DataFrame:
     return df[[c for c in cols if c in df]] if len(df) else df
 
 
+def launches(stage_id) -> tuple[list[dict], str]:
+    """The kernels one forward (and backward) of the stage launches at its
+    regime shape: grid, block, dynamic shared memory (as the launcher chose
+    it), registers and static shared memory of the instantiation launched.
+    Live on a GPU (ext.launches()), else recorded (results/h200/launches.json).
+    Returns (rows, where they come from)."""
+    from .ablation import shape_for
+    from .contract import prepare
+    from . import extrun
+
+    stage = load_stage(stage_id)
+    spec = stage.SPEC
+    ok, _ = spec.runnable_here()
+    if ok and "cuda" in spec.devices:
+        shape = shape_for(stage_id)
+        kw = checks.stage_inputs(spec, **shape, device="cuda")
+        ext = stage.build()
+        c = prepare(spec, **kw)
+        extrun.run(ext, spec, c)
+        rows = [dict(direction="fwd", **r) for r in ext.launches()]
+        if spec.backward:
+            B, T, H, K, V = (shape[x] for x in "BTHKV")
+            extrun.backward(ext, c, torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda"))
+            rows += [dict(direction="bwd", **r) for r in ext.launches()]
+        return rows, f"live, {bench.shape_label(shape)}"
+    rec = results.recorded("launches")
+    rows = [r for r in (rec or {}).get("rows", []) if r.get("stage") == spec.name]
+    return rows, (f"{bench.shape_label(rows[0])}, {results.label(rec['meta'])}" if rows else "not recorded")
+
+
 def resources(stage_id) -> pd.DataFrame:
-    """Registers, shared memory, stack and spills per kernel (ptxas -v, sm_90),
-    compiled here: no GPU needed."""
+    """Per kernel: registers, static shared memory, stack and spills from ptxas
+    -v (sm_90, compiled here: no GPU needed), and next to them the launch
+    configuration (grid, block, *dynamic* shared memory) of the kernels one
+    call launches at the stage's regime shape (see :func:`launches`): ptxas
+    cannot see dynamic shared memory, which is sized at launch."""
     stage = load_stage(stage_id)
     rows = resource_usage(STAGES_DIR / STAGE_DIRS[stage.SPEC.id], stage.SOURCES,
                           cutlass=stage.SPEC.extra.get("cutlass", False))
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows).rename(columns={"smem_bytes": "static_smem_bytes"})
+    if "cuda" not in stage.SPEC.devices:
+        return df
+    launched, where = launches(stage_id)
+    print(f"launch configuration: {where}")
+    if not launched:
+        return df
+    base = df["kernel"].str.replace(r"<.*", "", regex=True).str.split("::").str[-1]
+    extra = []
+    for i, r in df.iterrows():
+        # the launched instantiation is the one whose registers and static smem match
+        named = [x for x in launched if x["kernel"] == base[i]]
+        hit = [x for x in named if x.get("registers") in (None, r["registers"])
+               and x.get("static_smem") in (None, r["static_smem_bytes"])]
+        if not hit and (base == base[i]).sum() == 1:
+            hit = named  # one instantiation: it is the one launched
+        extra.append(dict(launched=" / ".join(sorted({x["direction"] for x in hit})) if hit else "",
+                          grid=hit[0]["grid"] if hit else None, block=hit[0]["block"] if hit else None,
+                          dynamic_smem_bytes=hit[0]["dynamic_smem"] if hit else None))
+    return pd.concat([df, pd.DataFrame(extra)], axis=1)
 
 
 @figure
@@ -406,3 +458,49 @@ def recorded_summary():
     from .report import recorded_summary_markdown
 
     return Markdown(recorded_summary_markdown())
+
+
+def ablation_table(stage_id) -> pd.DataFrame:
+    """What each idea of a multi-idea stage bought: the recorded H200 rows of
+    results/h200/ablations.json (``kdalab ablate NN`` measures them live: it
+    builds every variant, which takes minutes, so a notebook does not)."""
+    from . import ablation
+
+    meta, rows = ablation.recorded_rows(stage_id)
+    if not rows:
+        print(f"no recorded ablations for stage {stage_id}: run `kdalab ablate {stage_id}` on a GPU")
+        return pd.DataFrame()
+    print("recorded: " + results.label(meta))
+    out = []
+    for b in ablation.bought(rows):
+        d = dict(idea=b["idea"], instead=b["instead"])
+        for y in ("fwd", "bwd"):
+            if b.get(f"{y}_ms_without") is not None:
+                d[f"{y} ms with"] = round(b[f"{y}_ms_with"], 4)
+                d[f"{y} ms without"] = round(b[f"{y}_ms_without"], 4)
+                d[f"{y} x slower without"] = round(b[f"{y}_speedup"], 2)
+        if b.get("region"):
+            d["region"] = b["region"]
+            d["region with"] = f"{b['region_with']:.3g}"
+            d["region without"] = f"{b['region_without']:.3g}"
+        d["checks"] = "ok" if b["checks_ok"] else "FAILED"
+        d["err vs full stage"] = f"{b['err_full']:.1e}"
+        out.append(d)
+    return pd.DataFrame(out)
+
+
+@figure
+def ablation_plot(stage_id):
+    """The recorded ablations of a stage as a figure (see :func:`ablation_table`)."""
+    from . import ablation
+
+    meta, rows = ablation.recorded_rows(stage_id)
+    if not rows:
+        print(f"no recorded ablations for stage {stage_id}")
+        return None
+    full = next(r for r in rows if r["variant"] == "full")
+    ms = {y: bench.best_ms(full, y) for y in ("fwd", "bwd")}
+    spec = load_stage(stage_id).SPEC
+    return plot_ablation(ablation.bought(rows), ms, unit=spec.region_unit,
+                         title=f"Stage {spec.id}: what each idea bought, {bench.shape_label(full)} "
+                               f"(recorded, {meta.get('device', 'H200')})")

@@ -207,6 +207,58 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
     return ax
 
 
+def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought", unit: str = "cycles", axes=None):
+    """Two panels for a stage's ablations (common.ablation.bought rows).
+
+    Left: the stage's time with every idea on (``full_ms``: {"fwd": ms, "bwd": ms})
+    against its time with one idea turned off, one bar per idea and direction,
+    the slowdown written at the bar's end. Right: the profile region each idea
+    moved, with and without it (per block, ``unit``), in that region's colour."""
+    if axes is None:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 1.6 + 0.55 * max(len(bought), 2)),
+                                 gridspec_kw={"width_ratios": [3, 2]})
+    ax, bx = axes
+    labels, vals, colors, notes = [], [], [], []
+    for y in ("fwd", "bwd"):
+        if full_ms.get(y) is None:
+            continue
+        labels.append(f"stage, every idea on ({y})")
+        vals.append(full_ms[y])
+        colors.append("#444444")
+        notes.append(format_ms(full_ms[y]))
+        for b in bought:
+            if b.get(f"{y}_ms_without") is None:
+                continue
+            bad = "" if b["checks_ok"] else "  CHECKS FAILED"
+            labels.append(f"without {b['idea']} ({y})")
+            vals.append(b[f"{y}_ms_without"])
+            colors.append(region_color(b["region"]) if b.get("region") else "#999999")
+            notes.append(f"{format_ms(b[f'{y}_ms_without'])}  x{b[f'{y}_speedup']:.2f}{bad}")
+    ys = range(len(labels))
+    ax.barh(list(ys), vals, color=colors, height=0.7)
+    for yv, v, n in zip(ys, vals, notes):
+        ax.text(v, yv, "  " + n, va="center", fontsize=8)
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlim(min(vals) / 1.5, max(vals) * 4)
+    ax.set_xlabel("GPU time per call, ms (log; xN = slower without the idea)")
+    ax.set_title(title)
+    moved = [b for b in bought if b.get("region")]
+    ys = range(len(moved))
+    bx.barh([y - 0.18 for y in ys], [b["region_with"] for b in moved], height=0.36,
+            color=[region_color(b["region"]) for b in moved], label="with the idea")
+    bx.barh([y + 0.18 for y in ys], [b["region_without"] for b in moved], height=0.36,
+            color=[region_color(b["region"]) for b in moved], alpha=0.45, hatch="//", label="without")
+    bx.set_yticks(list(ys), [f"{b['region']}\n(idea: {b['idea']})" for b in moved], fontsize=7)
+    bx.invert_yaxis()
+    bx.set_xlabel(f"the region the idea moved ({'s' if unit == 's' else 'clock64 cycles per block'})")
+    bx.legend(fontsize=7, frameon=False, loc="lower right")
+    bx.set_title("where it shows")
+    ax.figure.tight_layout()
+    return ax
+
+
 def fragment_owner(layout: str, row: int, col: int) -> int:
     """The lane of a warp that holds element (row, col) of a 16x16 tile in an
     SM80 m16n8k16 fragment: layout "C" (accumulator, row = m, col = n) or "B"

@@ -407,9 +407,14 @@ def results_markdown() -> str:
         lines += [f"**The tensor-core stages against FLA and FlashKDA** (forward, GPU time by CUDA-graph replay, "
                   f"ms; stages and FLA from `results/h200/tc_stages.json`, FlashKDA from "
                   f"`results/anchors/{path.name if path else '-'}`):\n", tc]
+    abl = ablations_overview_markdown()
+    if abl:
+        lines += ["**What each idea bought** (the multi-idea stages with one idea turned off at a time by its "
+                  "compile-time switch, every variant checked like the stage; `results/h200/ablations.json`, "
+                  "details in each stage's README):\n", abl]
     for p in sorted(RESULTS_DIR.glob("*/*.json")):
         data = results.load(p)
-        rows = [r for r in data.get("rows", []) if "fwd_ms" in r]
+        rows = [r for r in data.get("rows", []) if "fwd_ms" in r and "variant" not in r]
         if not rows:
             continue
         lines.append(f"**{p.relative_to(RESULTS_DIR.parent)}** — {results.label(data['meta'])}\n")
@@ -474,7 +479,83 @@ def stage_measured_markdown(stage_name: str) -> str:
         out.append(f"Region profile at {bench.shape_label(prof[0])} (clock64 cycles per block, mean over blocks; "
                    f"{results.label(data['meta'])}):\n")
         out.append(md_table([dict(region=r["region"], value=f"{r['value']:.3g}") for r in prof], ["region", "value"]))
+    out += ablation_markdown(stage_name)
+    out += diff_markdown(stage_name)
     return "\n".join(out) if out else "(no recorded figures yet)\n"
+
+
+def ablations_overview_markdown() -> str:
+    """One row per ablation of every stage: how much slower the stage is
+    without the idea, forward and backward."""
+    from . import ablation
+
+    table = []
+    for sid in ablation.stages_with_ablations():
+        _, rows = ablation.recorded_rows(sid)
+        if not rows:
+            continue
+        full = next(r for r in rows if r["variant"] == "full")
+        for b in ablation.bought(rows):
+            table.append(dict(stage=full["stage"], shape=bench.shape_label(full), idea=b["idea"],
+                              fwd=f"x{b['fwd_speedup']:.2f}" if "fwd_speedup" in b else "-",
+                              bwd=f"x{b['bwd_speedup']:.2f}" if "bwd_speedup" in b else "-",
+                              checks="ok" if b["checks_ok"] else "FAILED"))
+    if not table:
+        return ""
+    return md_table(table, ["stage", "shape", "idea", "fwd", "bwd", "checks"],
+                    ["stage", "shape", "idea turned off", "forward: slower by", "backward: slower by", "checks"])
+
+
+def ablation_markdown(stage_name: str) -> list[str]:
+    """What each idea of the stage bought (results/h200/ablations.json)."""
+    from . import ablation
+
+    sid = stage_name[:2]
+    if not ablation.ablations(sid):
+        return []
+    meta, rows = ablation.recorded_rows(sid)
+    if not rows:
+        return ["What each idea bought: not measured yet (`kdalab ablate " + sid + "` on a GPU).\n"]
+    full = next(r for r in rows if r["variant"] == "full")
+    out = [f"What each idea bought, at {bench.shape_label(full)} (each idea turned off alone by its compile-time "
+           f"switch, every variant checked like the stage; GPU time per call, and the profile region the idea "
+           f"moved in clock64 cycles per block; {results.label(meta)}):\n"]
+    table = []
+    for b in ablation.bought(rows):
+        d = dict(idea=b["idea"], instead=b["instead"], checks="ok" if b["checks_ok"] else "FAILED",
+                 err=f"{b['err_full']:.1e}")
+        for y in ("fwd", "bwd"):
+            if b.get(f"{y}_ms_without") is not None:
+                d[y] = (f"{b[f'{y}_ms_without']:.3g} / {b[f'{y}_ms_with']:.3g} "
+                        f"(x{b[f'{y}_speedup']:.2f})")
+        if b.get("region"):
+            d["region"] = f"{b['region']}: {b['region_without']:.3g} / {b['region_with']:.3g}"
+        table.append(d)
+    cols, heads = ["idea", "instead"], ["idea turned off", "instead"]
+    for y, h in (("fwd", "forward ms without / with"), ("bwd", "backward ms without / with")):
+        if any(y in d for d in table):
+            cols, heads = cols + [y], heads + [h]
+    cols += ["region", "checks", "err"]
+    heads += ["region: without / with", "checks", "vs the full stage"]
+    out.append(md_table(table, cols, heads))
+    return out
+
+
+def diff_markdown(stage_name: str) -> list[str]:
+    """The size of this stage's lesson: `diff -ru` against the previous stage."""
+    from .stages import DIFF_SUFFIXES, STAGE_DIRS, neighbour_diff, previous
+
+    sid = stage_name[:2]
+    pid = previous(sid)
+    rows = neighbour_diff(sid)
+    if pid is None or not rows:
+        return []
+    total_p, total_m = sum(r["added"] for r in rows), sum(r["removed"] for r in rows)
+    out = [f"The diff from stage {pid} (`diff -ru stages/{STAGE_DIRS[pid]} stages/{stage_name}`, "
+           f"{', '.join(DIFF_SUFFIXES)} files): +{total_p} / -{total_m} lines.\n"]
+    out.append(md_table([dict(file=r["file"], added=f"+{r['added']}", removed=f"-{r['removed']}") for r in rows],
+                        ["file", "added", "removed"], ["file", "added", "removed"]))
+    return out
 
 
 MEASURED_START, MEASURED_END = "<!-- measured:start (generated by `kdalab results --write-readme`) -->", \

@@ -5,6 +5,11 @@ as a reader would (nbval, with or without fla-core) and the tour.
     python scripts/gpu_run.py --stages 05,06,07 [--phases build,tests,checks,...] [--fla]
     python scripts/gpu_run.py --phases build,notebooks --notebooks 00,01,02
     python scripts/gpu_run.py --phases tour
+    python scripts/gpu_run.py --stages 04,05,06 --phases build,launches,ablations
+
+On a machine kept warm between calls, `KDALAB_KEEP_BUILDS=1 bash scripts/gpu_run.sh ...`
+dates the sources back so that ninja reuses the last call's builds (only when
+the sources did not change between the calls).
 
 Meant for the lent H200 (no network: extra wheels travel in .whl/ and are
 installed to /tmp/site by scripts/gpu_run.sh). Every step has its own timeout
@@ -50,12 +55,14 @@ def sh(cmd, timeout, name):
     return rc
 
 
-def build_all(stages):
-    """Build every extension (normal + profile) in parallel processes."""
+def build_all(stages, ablations=False):
+    """Build every extension (normal + profile, and the ablation variants when
+    asked) in parallel processes."""
     from common.build import build_parallel
 
     t0 = time.time()
-    failed = build_parallel(stages, jobs=2 * len(stages), say=log)
+    failed = build_parallel(stages, jobs=min(32, 2 * len(stages) * (4 if ablations else 1)), say=log,
+                            ablations=ablations)
     for sid, err in failed.items():
         log(f"build {sid} FAILED:\n{err}")
     log(f"build: {len(stages)} stages in {time.time() - t0:.0f} s")
@@ -161,28 +168,89 @@ def record_profiles(stages):
     save(OUT / "profiles.json", rows, metadata(command="python scripts/gpu_run.py (profiles)"))
 
 
-def sanitize(stages):
-    """memcheck, racecheck and synccheck on every stage, in parallel processes."""
-    jobs = [(sid, tool) for sid in stages for tool in ("memcheck", "racecheck", "synccheck")]
+def record_ablations(stages):
+    """Every ablation variant of the stages that have some: checked, timed and
+    profiled beside the stage (common.ablation.measure) -> $OUT/ablations.json."""
+    from common import ablation
+    from common.results import metadata, save
+
+    rows = []
+    for sid in stages:
+        if not ablation.ablations(sid):
+            continue
+        t0 = time.time()
+        try:
+            rows += ablation.measure(sid, say=log)
+        except Exception as e:  # keep what the other stages measured
+            log(f"ablations {sid} FAILED: {type(e).__name__}: {e}")
+        log(f"ablations {sid}: {time.time() - t0:.0f} s")
+        save(OUT / "ablations.json", rows, metadata(command="python scripts/gpu_run.py --phases ablations "
+                                                            "(common.ablation.measure per stage)"))
+
+
+def record_launches(stages):
+    """Grid, block and dynamic shared memory of every kernel of each stage at its
+    regime shape (ext.launches() after one forward and, where there is one,
+    backward) -> $OUT/launches.json."""
+    import torch
+
+    from common import checks, extrun
+    from common.ablation import shape_for
+    from common.contract import prepare
+    from common.results import metadata, save
+    from common.stages import load_stage
+
+    rows = []
+    for sid in stages:
+        stage = load_stage(sid)
+        spec = stage.SPEC
+        shape = shape_for(sid)
+        kw = checks.stage_inputs(spec, **shape, device="cuda")
+        ext = stage.build()
+        c = prepare(spec, **kw)
+        extrun.run(ext, spec, c)
+        torch.cuda.synchronize()
+        got = [dict(stage=spec.name, direction="fwd", **shape, **l) for l in ext.launches()]
+        if spec.backward:
+            do, dht = torch.randn(shape["B"], shape["T"], shape["H"], shape["V"], device="cuda"), \
+                torch.randn(shape["B"], shape["H"], shape["K"], shape["V"], device="cuda")
+            extrun.backward(ext, c, do, dht)
+            torch.cuda.synchronize()
+            got += [dict(stage=spec.name, direction="bwd", **shape, **l) for l in ext.launches()]
+        rows += got
+        log(f"launches {spec.name}: " + ", ".join(f"{l['kernel']} {l['grid']}x{l['block']} "
+                                                 f"{l['dynamic_smem']} B" for l in got))
+    save(OUT / "launches.json", rows, metadata(command="python scripts/gpu_run.py --phases launches"))
+
+
+def sanitize(stages, ablations=False):
+    """memcheck, racecheck and synccheck on every stage (and, with ``ablations``,
+    on every ablation variant), in parallel processes."""
+    from common.ablation import ablations as ablations_of
+
+    targets = [(sid,) for sid in stages]
+    if ablations:
+        targets += [(sid, a.name) for sid in stages for a in ablations_of(sid)]
+    jobs = [(t, tool) for t in targets for tool in ("memcheck", "racecheck", "synccheck")]
 
     def one(job):
-        sid, tool = job
+        t, tool = job
         return sh(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3", sys.executable,
-                   "scripts/sanitize_case.py", sid], 400, f"sanitizer_{sid}_{tool}")
+                   "scripts/sanitize_case.py", *t], 400, f"sanitizer_{'_'.join(t)}_{tool}")
 
-    with ThreadPoolExecutor(len(jobs)) as ex:
+    with ThreadPoolExecutor(min(len(jobs), 16)) as ex:
         rcs = list(ex.map(one, jobs))
-    for (sid, tool), rc in zip(jobs, rcs):
-        log(f"sanitizer {sid} {tool}: {'clean' if rc == 0 else 'FAILED rc=' + str(rc)}")
+    for (t, tool), rc in zip(jobs, rcs):
+        log(f"sanitizer {' -'.join(t)} {tool}: {'clean' if rc == 0 else 'FAILED rc=' + str(rc)}")
     with open(OUT / "sanitizer.txt", "w") as f:
-        for sid, tool in jobs:
-            p = OUT / f"sanitizer_{sid}_{tool}.txt"
+        for t, tool in jobs:
+            p = OUT / f"sanitizer_{'_'.join(t)}_{tool}.txt"
             f.write(p.read_text())
             p.unlink()
 
 
 PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-fla-fp32", "bench-tc")
-EXTRA_PHASES = ("notebooks", "notebooks-fla", "tour")  # asked for by name only
+EXTRA_PHASES = ("notebooks", "notebooks-fla", "tour", "ablations", "launches")  # asked for by name only
 
 
 def main():
@@ -195,6 +263,9 @@ def main():
     p.add_argument("--shapes", default=None, help="bench only these rows of each sweep (kdalab bench --shapes)")
     p.add_argument("--notebooks", default="", help="comma-separated notebook name prefixes (default: all)")
     p.add_argument("--parallel", type=int, default=0, help="notebooks-fla: run the notebooks in N xdist workers")
+    p.add_argument("--ablations", action="store_true",
+                   help="also build the ablation variants and run them under compute-sanitizer (the ablations "
+                        "phase implies it)")
     args = p.parse_args()
     stages = args.stages.split(",")
     phases = args.phases.split(",")
@@ -216,7 +287,8 @@ def main():
     to_build = sorted(set(stages) | {previous(s) for s in stages} - {None, "00"})
     if "notebooks" in phases or "notebooks-fla" in phases or "tour" in phases:
         to_build = sorted(set(to_build) | {"01", "02", "03", "04", "05", "06", "07"})
-    if "build" in phases and not build_all(to_build):
+    with_ablations = args.ablations or "ablations" in phases
+    if "build" in phases and not build_all(to_build, ablations=with_ablations):
         log("BUILD FAILED: see build.txt")
         return 1
     if "tests" in phases:
@@ -229,8 +301,12 @@ def main():
         record_checks(stages, fla=args.fla)
     if "profiles" in phases:
         record_profiles(stages)
+    if "launches" in phases:
+        record_launches(stages)
     if "sanitize" in phases:
-        sanitize(stages)
+        sanitize(stages, ablations=with_ablations)
+    if "ablations" in phases:
+        record_ablations(stages)
     fla = ["fla"] if args.fla else []
     shapes = ["--shapes", args.shapes] if args.shapes else []
     if "bench-fp32" in phases and fp32:

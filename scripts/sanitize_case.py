@@ -1,6 +1,8 @@
-"""A small forward + backward of one stage, for compute-sanitizer:
+"""A small forward + backward of one stage (or one of its ablation variants),
+for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py 02
+    compute-sanitizer --tool racecheck python scripts/sanitize_case.py 06 no_load_warp
 """
 
 import sys
@@ -12,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import checks  # noqa: E402
 from common.inputs import make_cotangents  # noqa: E402
+from common.ablation import variant  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
 sid = sys.argv[1]
-stage = load_stage(sid)
+stage = load_stage(sid) if len(sys.argv) < 3 else variant(sid, sys.argv[2])
 spec = stage.SPEC
 K, V = (64, 64) if spec.head_dims else (32, 24)  # the smallest head size the stage supports
 T = 150  # several chunks at any chunk size, and a tail

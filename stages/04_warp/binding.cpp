@@ -17,26 +17,15 @@
 #include <cmath>
 
 #include "kda.h"
+#include "kda_binding.h"  // check_tensor, check_shape, present, launches, KDA_STAGE
 #include "kda_profile.cuh"  // KDA_MAX_REGIONS
 
 namespace {
 
-using OptTensor = c10::optional<torch::Tensor>;
-
-void check_tensor(const torch::Tensor& t, const char* name, const torch::Tensor& q,
-                  c10::ScalarType dtype = torch::kFloat32) {
-  TORCH_CHECK(t.defined(), name, " is undefined");
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == q.device(), name, " must be on ", q.device(), " (like q), got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_shape(const torch::Tensor& t, const char* name, c10::IntArrayRef want) {
-  TORCH_CHECK(t.sizes() == want, name, " must have shape ", want, ", got ", t.sizes());
-}
-
-bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+using kda_binding::check_shape;
+using kda_binding::check_tensor;
+using kda_binding::OptTensor;
+using kda_binding::present;
 
 struct Sizes {
   int64_t B, T, H, K, V, BT, NT, Tp;
@@ -206,6 +195,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.state_chunk_stride = 0;
   p.o = fptr(o);
   p.prof = prof_ptr(prof, q, s);
+  kda_launch_log().clear();
   kda_check(kda_fwd_launch(p, stream), "kda forward");
 }
 
@@ -295,6 +285,7 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.dAlog_part = fptr(dAlog_part);
   p.dh0 = present(dh0) ? fptr(*dh0) : nullptr;
   p.prof = prof_ptr(prof, q, s);
+  kda_launch_log().clear();
   kda_check(kda_bwd_launch(p, stream), "kda backward");
 
   // sums over batch and time, deterministic (torch reductions, no atomics)
@@ -305,11 +296,13 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fwd", &kda_fwd, "KDA chunked forward (CUDA, fp32, warp per chunk)", py::arg("q"), py::arg("k"),
+  m.def("launches", &kda_binding::launches,
+        "grid, block and dynamic shared memory of each kernel the last call launched");
+  m.def("fwd", &kda_fwd, "KDA chunked forward of stage " KDA_STAGE, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"), py::arg("dt_bias"), py::arg("h0"),
         py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"), py::arg("chunk_size"), py::arg("o"),
         py::arg("ht"), py::arg("prof"));
-  m.def("bwd", &kda_bwd, "KDA chunked backward (CUDA, fp32, warp per chunk)", py::arg("q"), py::arg("k"),
+  m.def("bwd", &kda_bwd, "KDA chunked backward of stage " KDA_STAGE, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"), py::arg("dt_bias"), py::arg("h0"),
         py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"), py::arg("chunk_size"), py::arg("do"),
         py::arg("dht"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("dg"), py::arg("dbeta"),

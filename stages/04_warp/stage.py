@@ -14,10 +14,10 @@ import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, prepare
+from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["binding.cpp", "kda.cu"]
+SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
     name="04_warp",
@@ -38,9 +38,34 @@ SPEC = StageSpec(
 )
 
 
-def build(profile=False, verbose=False):
-    """Compile (or load the cached build of) this stage's extension."""
-    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, profile=profile, verbose=verbose)
+# The ideas of this stage that can be turned off one at a time (common/ablation.py).
+# Each define switches ONE idea of the README off in kda.cu (stage 03's way for that
+# part) and keeps the others on.
+ABLATIONS = (
+    Ablation(name="no_warp_chunk", define="KDA_NO_WARP_CHUNK",
+             idea="warp per chunk (lanes split K/V, shuffle reductions, parallel triangular solve)",
+             instead="one thread per chunk, one block per (b, h) (stage 03)",
+             region="fwd: WY transform"),
+    Ablation(name="no_column_threads", define="KDA_NO_COLUMN_THREADS",
+             idea="recurrences: one thread per value column",
+             instead="one thread per (b, h) carries the whole K x V state (stage 03)",
+             region="fwd: recurrence"),
+    Ablation(name="no_precompute", define="KDA_NO_PRECOMPUTE",
+             idea="precomputed gated operands kd, qd, kr, exp(glast)",
+             instead="every use re-evaluates its exp(), in the recurrences on each of the V threads (stage 03)",
+             region="fwd: recurrence"),
+    Ablation(name="no_bwd_chunk_states", define="KDA_NO_BWD_CHUNK_STATES",
+             idea="backward around per-chunk states: the sums over V leave the serial chain",
+             instead="one dS carried in place; the sums over V inside the reverse chain, split over the block (stage 03)",
+             region="bwd: recurrence"),
+)
+
+
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
+    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, profile=profile, verbose=verbose,
+                          **ablation_build_args(ABLATIONS, ablation))
 
 
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,

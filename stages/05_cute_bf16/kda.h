@@ -55,6 +55,13 @@ struct KdaFwdParams {
   __nv_bfloat16* Aqk;  // [BH, NT, 16, 16] lower_incl_diag(qd @ ki^T) (A operand of Aqk @ vcorr)
   float* u;            // [BH, NT, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand)
   float* el;           // [BH, NT, K]     exp(glast)
+#ifdef KDA_NO_FUSED_PREPARE
+  // ---- ablation KDA_NO_FUSED_PREPARE: what the fused K1 keeps on chip, passed from
+  //      the pre-stage kernel to the WY and Aqk kernels through global memory ----
+  __nv_bfloat16* kd;   // [BH, NT, 16, K] kn * exp(gc)
+  __nv_bfloat16* ki;   // [BH, NT, 16, K] kn * exp(-gc)
+  float* bs;           // [BH, NT, 16]    sigmoid(beta) (0 for padded tokens)
+#endif
   // ---- outputs ----
   __nv_bfloat16* o;  // [B, T, H, V]
   float* ht;         // [B, H, K, V] final state
@@ -62,6 +69,8 @@ struct KdaFwdParams {
 };
 
 // K1 (prepare, grid BH * NT) then K2 (recurrence, grid BH * V / 32) on `stream`.
+// (Ablations, kda.cu: KDA_NO_FUSED_PREPARE runs K1 as three kernels of grid BH * NT;
+// KDA_NO_COLUMN_SPLIT runs K2 with grid BH.)
 // Returns cudaErrorInvalidValue for sizes this stage does not support
 // (K != V or K not in {64, 128}).
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, cudaStream_t stream);

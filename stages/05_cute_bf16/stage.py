@@ -15,10 +15,10 @@ import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, prepare
+from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["binding.cpp", "kda.cu"]
+SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
     name="05_cute_bf16",
@@ -41,6 +41,34 @@ SPEC = StageSpec(
     extra={"cutlass": True, "min_sm": 80},
 )
 
+# The ideas of this stage that can be turned off one at a time (common/ablation.py;
+# the switches are described at the top of kda.cu). Every variant computes the same
+# function: KDA_NO_FUSED_PREPARE and KDA_NO_SMEM_STATE are bitwise the stage, the
+# two KDA_NO_TC_* variants differ only in summation order (same bf16 operands).
+ABLATIONS = (
+    Ablation(name="no_tc_prepare", define="KDA_NO_TC_PREPARE",
+             idea="K1's products (L, Aqk, w, u) on bf16 tensor cores",
+             instead="fp32 SIMT FMAs on the same bf16 tiles",
+             region="K1: L/Aqk products"),
+    Ablation(name="no_tc_recurrence", define="KDA_NO_TC_RECURRENCE",
+             idea="K2's products (w@S, qd@S, Aqk@vcorr, kr^T@vcorr) on bf16 tensor cores",
+             instead="fp32 SIMT FMAs on the same bf16 tiles",
+             region="K2: qd@S + Aqk@vcorr"),
+    Ablation(name="no_fused_prepare", define="KDA_NO_FUSED_PREPARE",
+             idea="one fused prepare kernel (K1), one block per chunk",
+             instead="three kernels as in stage 04 (pre-stage, WY, Aqk); kd, ki, beta, qd through global memory",
+             region="K1: load+pre-stage"),
+    Ablation(name="no_column_split", define="KDA_NO_COLUMN_SPLIT",
+             idea="recurrence split over value columns (grid B*H*V/32)",
+             instead="one block per (b, h): V/32 groups of 4 warps, grid B*H",
+             region="K2: loads / barriers"),
+    Ablation(name="no_smem_state", define="KDA_NO_SMEM_STATE",
+             idea="state slice resident in shared memory for the whole chunk loop",
+             instead="fp32 state in global memory: reloaded every chunk, updated in place",
+             region="K2: S update"),
+)
+
+
 # CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
 # switch off; CuTe's constexpr helpers are called from device code.
 CUDA_FLAGS = [
@@ -50,10 +78,12 @@ CUDA_FLAGS = [
 ]
 
 
-def build(profile=False, verbose=False):
-    """Compile (or load the cached build of) this stage's extension."""
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
-                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose)
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          **ablation_build_args(ABLATIONS, ablation))
 
 
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,

@@ -21,28 +21,18 @@
 #include <cstdint>
 
 #include "kda.h"
+#include "kda_binding.h"  // check_tensor, check_shape, present, launches, KDA_STAGE
 #include "kda_profile.cuh"  // KDA_MAX_REGIONS
 
 namespace {
 
-using OptTensor = c10::optional<torch::Tensor>;
+using kda_binding::check_shape;
+using kda_binding::check_tensor;
+using kda_binding::OptTensor;
+using kda_binding::present;
 
 constexpr int64_t kChunk = 16;  // BT of this stage
 constexpr int64_t kVCols = 16;  // value columns per recurrence block, at the least
-
-void check_tensor(const torch::Tensor& t, const char* name, const torch::Tensor& q, c10::ScalarType dtype) {
-  TORCH_CHECK(t.defined(), name, " is undefined");
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == q.device(), name, " must be on ", q.device(), " (like q), got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_shape(const torch::Tensor& t, const char* name, c10::IntArrayRef want) {
-  TORCH_CHECK(t.sizes() == want, name, " must have shape ", want, ", got ", t.sizes());
-}
-
-bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
 
 // The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
 // an input whose data does not start on a 16-byte boundary (a view at an odd
@@ -67,12 +57,12 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
   TORCH_CHECK(B >= 1 && T >= 1 && H >= 1, "B, T, H must be >= 1, got q shape ", q.sizes());
-  TORCH_CHECK(K == V, "stage 06 needs K == V, got K = ", K, ", V = ", V);
-  TORCH_CHECK(K == 64 || K == 128, "stage 06 supports K = V in {64, 128}, got ", K);
-  TORCH_CHECK(gate_id == 1, "stage 06 supports only the bounded gate (gate_id 1), got gate_id ", gate_id);
+  TORCH_CHECK(K == V, "stage " KDA_STAGE " needs K == V, got K = ", K, ", V = ", V);
+  TORCH_CHECK(K == 64 || K == 128, "stage " KDA_STAGE " supports K = V in {64, 128}, got ", K);
+  TORCH_CHECK(gate_id == 1, "stage " KDA_STAGE " supports only the bounded gate (gate_id 1), got gate_id ", gate_id);
   TORCH_CHECK(std::isfinite(lower_bound) && lower_bound >= -5.0 && lower_bound < 0.0,
               "lower_bound must be in [-5, 0), got ", lower_bound);
-  TORCH_CHECK(chunk_size == kChunk, "stage 06 supports only chunk_size 16, got ", chunk_size);
+  TORCH_CHECK(chunk_size == kChunk, "stage " KDA_STAGE " supports only chunk_size 16, got ", chunk_size);
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(T <= INT_MAX - kChunk, "T too large: ", T);
   const int64_t NT = (T + kChunk - 1) / kChunk;
@@ -164,13 +154,16 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 #else
   (void)prof;
 #endif
-  kda_check(kda_fwd_launch(p, stream), "kda forward (stage 06)");
+  kda_launch_log().clear();
+  kda_check(kda_fwd_launch(p, stream), "kda forward");
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fwd", &kda_fwd, "KDA chunked forward (CUDA, bf16 tensor cores through CuTe, BT = 16, bounded gate)",
+  m.def("launches", &kda_binding::launches,
+        "grid, block and dynamic shared memory of each kernel the last call launched");
+  m.def("fwd", &kda_fwd, "KDA chunked forward of stage " KDA_STAGE,
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
         py::arg("dt_bias"), py::arg("h0"), py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"),
         py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"));

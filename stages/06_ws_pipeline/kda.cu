@@ -49,6 +49,23 @@
 // Numerics: as stage 05 (fp32 except the bf16 MMA operands and o). The state
 // is now rounded to bf16 for the MMAs from the register copy, bitwise the same
 // values as before. Bitwise deterministic: no atomics outside the profile timers.
+//
+// Ablations (stage.py ABLATIONS; common/ablation.py builds each with -D<switch>):
+// each switch turns ONE of the ideas above off and keeps the others on.
+//   KDA_NO_LOAD_WARP   no load warp: the compute warps fill the slot of chunk n
+//                      themselves (same cp.async, same FULL/EMPTY mbarriers) and
+//                      wait for it right away, so the loads sit on the chain again.
+//   KDA_NO_MBARRIER    no mbarriers: the load warp and the compute warps meet at
+//                      one __syncthreads per chunk (the load warp waits for its
+//                      own copies with cp.async.wait_group before it).
+//   KDA_NO_REG_STATE   the fp32 state slice lives in (warp-private) shared memory
+//                      as in stage 05: loaded, decayed, updated and stored back
+//                      every chunk (bitwise the same values).
+//   KDA_FIXED_WIDTH    always two compute warps (32 columns) per K2 block, stage
+//                      05's block width, whatever the occupancy.
+//   KDA_K1_STAGE05     stage 05's K1 pre-stage (row by row loads, three exps per
+//                      element) and inverse (through shared memory, __syncwarp
+//                      per row, a separate pass for Af).
 
 #include <cuda_runtime.h>
 
@@ -59,12 +76,13 @@
 
 #include "kda.h"
 #include "kda_cuda_check.h"
+#include "kda_device.cuh"  // sigmoid_f, softplus_f, warp_sum
 #include "kda_profile.cuh"
 
 // (A named namespace, not an anonymous one: nvcc's generated registration code
 // cannot name kernels of an anonymous namespace once CuTe's headers, which have
 // anonymous namespaces of their own inside namespace cute, are included.)
-namespace kda06 {
+namespace kda_stage {
 
 using namespace cute;
 using bf16 = cute::bfloat16_t;  // same bits as __nv_bfloat16 / torch.bfloat16
@@ -76,7 +94,18 @@ constexpr int kPad = 8;       // bf16 row padding of the MMA operand tiles (16 b
                               // of a warp hit 32 different banks
 constexpr int kThreads = 128; // K1: 4 warps
 constexpr float kL2Eps = 1e-6f;
-constexpr unsigned kFullMask = 0xffffffffu;
+
+#if defined(KDA_NO_LOAD_WARP) && defined(KDA_NO_MBARRIER)
+#error "KDA_NO_LOAD_WARP and KDA_NO_MBARRIER are ablations of one idea each: build one at a time"
+#endif
+#ifdef KDA_NO_LOAD_WARP
+constexpr int kLoadWarps = 0;  // K2: the compute warps load their operands themselves
+#else
+constexpr int kLoadWarps = 1;  // K2: one load warp (the last warp of the block)
+#endif
+#ifdef KDA_NO_REG_STATE
+constexpr int kSPad = 4;       // fp32 row padding of the shared state tile (stage 05's)
+#endif
 
 // ---------------------------------------------------------------------------
 // tensor-core MMAs
@@ -131,15 +160,6 @@ __device__ __forceinline__ auto smem_cols(T* ptr) {
 // small helpers
 // ---------------------------------------------------------------------------
 
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// Sum over the 32 lanes; every lane gets the same (bitwise) result.
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
-  return x;
-}
-
 // N contiguous elements between global/shared memory and registers as ONE vector
 // access (N * sizeof(T) must be 4, 8 or 16 bytes; the address aligned to it).
 template <int N, class T>
@@ -192,16 +212,17 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 }
 
 // Asynchronous copy of a [ROWS, COLS] tile from global (rows SRC_LD elements
-// apart) into shared memory (rows DST_LD apart) by ONE WARP: 16-byte cp.async
-// per lane and step, no registers in between. Completion is signalled through
-// an mbarrier (mbar_arrive_on_copies).
-template <int ROWS, int COLS, int DST_LD, int SRC_LD, class T>
+// apart) into shared memory (rows DST_LD apart) by ONE WARP (NTHR = 32 threads,
+// `lane` their index; KDA_NO_LOAD_WARP: all compute warps): 16-byte cp.async per
+// lane and step, no registers in between. Completion is signalled through an
+// mbarrier (mbar_arrive_on_copies).
+template <int ROWS, int COLS, int DST_LD, int SRC_LD, int NTHR = 32, class T>
 __device__ __forceinline__ void async_tile(T* dst, const T* src, int lane) {
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
   constexpr int kPerRow = COLS / kVec;
   static_assert(COLS % kVec == 0 && DST_LD % kVec == 0 && SRC_LD % kVec == 0, "16-byte rows");
   CUTE_UNROLL
-  for (int i = lane; i < ROWS * kPerRow; i += 32) {
+  for (int i = lane; i < ROWS * kPerRow; i += NTHR) {
     const int r = i / kPerRow, cv = i % kPerRow;
     SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>::copy(
         *reinterpret_cast<const uint128_t*>(src + (size_t)r * SRC_LD + cv * kVec),
@@ -260,6 +281,7 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
   float* gU = p.u + slot * BT * V;                              // [BT, V]
   float* gEl = p.el + slot * K;                                 // [K]
 
+#ifndef KDA_K1_STAGE05
   // ---- load + pre-stage (1/2): each warp owns BT/4 = 4 token rows and ISSUES ALL
   //   THEIR GLOBAL LOADS FIRST (lane j holds K/32 contiguous features of q, k, g and V/32
   //   of v, as one 8- or 4-byte vector each), then normalises:
@@ -359,6 +381,78 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
     dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
     dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
   }
+#else
+  // ---- KDA_K1_STAGE05: stage 05's pre-stage, verbatim (one row at a time, three exps) ----
+  // ---- load + pre-stage (1/2): one warp per token row, lanes split the features.
+  //   qn = q / sqrt(sum q^2 + eps), kn likewise; a = lb * sigmoid(exp(A_log) (g + dt_bias));
+  //   beta = sigmoid(beta). Padded tokens (t >= T): q = k = v = 0, a = 0, beta = 0,
+  //   and global memory is not touched for them.
+  {
+    const float aexp = expf(p.A_log[h]);
+    const float* dtb = p.dt_bias + (size_t)h * K;
+    for (int c = warp; c < BT; c += kThreads / 32) {
+      const bool real = c < len;
+      const size_t row = real ? ((size_t)b * p.T + t0 + c) * p.H + h : 0;  // token row (b, t, h)
+      float qv[K / 32], kv[K / 32];
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int j = 0; j < K / 32; ++j) {
+        const int d = lane + 32 * j;
+        qv[j] = real ? static_cast<float>(q[row * K + d]) : 0.f;
+        kv[j] = real ? static_cast<float>(k[row * K + d]) : 0.f;
+        sq += qv[j] * qv[j];
+        sk += kv[j] * kv[j];
+      }
+      sq = warp_sum(sq);
+      sk = warp_sum(sk);
+      const float rq = 1.0f / sqrtf(sq + kL2Eps), rk = 1.0f / sqrtf(sk + kL2Eps);
+#pragma unroll
+      for (int j = 0; j < K / 32; ++j) {
+        const int d = lane + 32 * j;
+        sm.qn[c][d] = qv[j] * rq;
+        sm.kn[c][d] = kv[j] * rk;
+        const float x = real ? static_cast<float>(g[row * K + d]) + dtb[d] : 0.f;
+        sm.a[c][d] = real ? p.lower_bound * sigmoid_f(aexp * x) : 0.f;
+      }
+      for (int vd = lane; vd < V; vd += 32) sm.v[c][vd] = real ? v[row * V + vd] : bf16(0.f);
+      if (lane == 0) sm.beta[c] = real ? sigmoid_f(static_cast<float>(beta[row])) : 0.f;
+    }
+  }
+  __syncthreads();
+
+  // ---- load + pre-stage (2/2): one thread per key dimension d (a column of the chunk).
+  //   gc[c] = a[0] + ... + a[c]   (registers; glast = gc[BT - 1], flat over padded tokens)
+  //   kd = kn e^gc, ki = kn e^-gc, qd = scale qn e^gc   -> shared (bf16)
+  //   qd -> global [BT, K];  kr = kn e^(glast - gc) -> global as kr^T [K, BT] (row d
+  //   of kr^T is this thread's 16 values: two 16-byte stores);  exp(glast) -> global.
+  for (int d = tid; d < K; d += kThreads) {
+    float gc[BT];
+    float acc = 0.f;
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      acc += sm.a[c][d];
+      gc[c] = acc;
+    }
+    const float glast = acc;
+    gEl[d] = expf(glast);
+    uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      const float e = expf(gc[c]);
+      const float knv = sm.kn[c][d];
+      sm.kd[c][d] = bf16(knv * e);
+      sm.ki[c][d] = bf16(knv * expf(-gc[c]));
+      const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
+      sm.qd[c][d] = qdv;
+      gQd[c * K + d] = qdv;
+      const uint32_t kr_bits = bf16(knv * expf(glast - gc[c])).raw();
+      kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
+    }
+    uint4* dst = reinterpret_cast<uint4*>(gKrT + (size_t)d * BT);  // 32-byte row, 16-byte aligned
+    dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
+    dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
+  }
+#endif
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
 
@@ -399,6 +493,7 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
 
+#ifndef KDA_K1_STAGE05
   // ---- inverse: X = (I + L)^-1, unit lower triangular, fp32, by one warp:
   //   (I + L) X = I  =>  X[c, i] = [c == i] - sum_{m < c} L[c, m] X[m, i]
   //   Lane i (< 16) keeps column i of X in registers (x[0..15]; the loops are fully
@@ -423,6 +518,33 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
       for (int c = 0; c < BT; ++c) sm.Af[c][i] = bf16(x[c] * bi);
     }
   }
+#else
+  // ---- KDA_K1_STAGE05: stage 05's inverse, verbatim (X overwrites L row by row) ----
+  // ---- inverse: X = (I + L)^-1, unit lower triangular, by forward substitution (fp32).
+  //   (I + L) X = I  =>  X[c, i] = -L[c, i] - sum_{i < m < c} L[c, m] X[m, i]   (i < c)
+  //   Row c needs only rows m < c of X: one warp walks the rows, lane i owns column i;
+  //   X overwrites L row by row (all lanes read row c of L before any lane writes it).
+  if (warp == 0) {
+    const int i = lane;
+    for (int c = 1; c < BT; ++c) {
+      float x = 0.f;
+      if (i < c) {
+        x = -sm.L[c][i];
+        for (int m = i + 1; m < c; ++m) x -= sm.L[c][m] * sm.L[m][i];
+      }
+      __syncwarp();
+      if (i < c) sm.L[c][i] = x;
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  //   Af = X * beta[None, :] (X's unit diagonal and zero upper triangle made explicit) -> bf16
+  for (int e = tid; e < BT * BT; e += kThreads) {
+    const int c = e / BT, i = e % BT;
+    const float x = (i < c) ? sm.L[c][i] : (i == c ? 1.f : 0.f);
+    sm.Af[c][i] = bf16(x * sm.beta[i]);
+  }
+#endif
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
 
@@ -477,7 +599,7 @@ struct K2Slot {
   alignas(16) float el[K];              // exp(glast) of the chunk
 };
 
-// Shared memory of K2 (K = 128, NCW = 2: about 65 KB).
+// Shared memory of K2 (K = 128, NCW = 2: about 65 KB; KDA_NO_REG_STATE: 17 KB more).
 template <int K, int NCW>
 struct K2Smem {
   K2Slot<K, NCW> slot[kStagesFor<K>];
@@ -485,8 +607,15 @@ struct K2Smem {
                                            //   B operand (vd, d) of w @ S and qd @ S
   alignas(16) bf16 vc[NCW][VW][BT + kPad]; // per compute warp: vcorr^T, vc[vd][c];
                                            //   B (vd, c) of Aqk @ vcorr and kr^T @ vcorr
+#ifdef KDA_NO_REG_STATE
+  alignas(16) float S[NCW][VW][K + kSPad]; // per compute warp: its fp32 state columns, S[vd][d]
+                                           //   (stage 05's layout: conflict-free C-fragment access)
+#endif
+#ifndef KDA_NO_MBARRIER
   uint64_t full[kStagesFor<K>];   // slot s holds its chunk: 32 load-warp lanes arrive (on copy completion)
+                                  //   (KDA_NO_LOAD_WARP: the 32 * NCW compute lanes, on theirs)
   uint64_t empty[kStagesFor<K>];  // slot s is free again: 32 * NCW compute lanes arrive
+#endif
 };
 
 // ---------------------------------------------------------------------------
@@ -502,9 +631,12 @@ struct K2Smem {
 // col0 + 16w .. col0 + 16w + 15), warp NCW loads. dynamic smem = sizeof(K2Smem).
 // Profile: slot = block index; compute warp 0's lane 0 times the compute
 // regions, the load warp's lane 0 the load-warp regions.
+// Ablations (file header): KDA_NO_LOAD_WARP drops warp NCW (block = 32 * NCW
+// threads); KDA_NO_MBARRIER runs the chunk loop on every warp, the load warp
+// included, with one __syncthreads per chunk; KDA_NO_REG_STATE keeps S in sm.S.
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW>
-__global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __grid_constant__ KdaFwdParams p) {
+__global__ void __launch_bounds__(32 * (NCW + kLoadWarps)) kda_recurrence_kernel(const __grid_constant__ KdaFwdParams p) {
   constexpr int VC = VW * NCW;               // value columns per block
   constexpr int NS = V / VC;                 // column slices per head
   constexpr int kStages = kStagesFor<K>;
@@ -516,32 +648,40 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
   const int bh = (int)(blockIdx.x / NS), col0 = (int)(blockIdx.x % NS) * VC;
   const int b = bh / p.H, h = bh % p.H;
   const int NT = p.NT;
+  // Threads that issue a chunk's copies: the load warp's 32 lanes (KDA_NO_LOAD_WARP:
+  // all 32 * NCW compute lanes). Each arrives once on FULL per chunk.
+  constexpr int kIssuers = kLoadWarps ? 32 : 32 * NCW;
+#ifndef KDA_NO_MBARRIER
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&sm.full[s], 32);
+      mbar_init(&sm.full[s], kIssuers);
       mbar_init(&sm.empty[s], 32 * NCW);
     }
   }
   __syncthreads();  // the barriers exist before any warp uses them (the only block-wide barrier)
+#endif
   KDA_PROF_START(tp);
 
+  const bf16* gQd = reinterpret_cast<const bf16*>(p.qd);
+  const bf16* gW = reinterpret_cast<const bf16*>(p.w);
+  const bf16* gKrT = reinterpret_cast<const bf16*>(p.krT);
+  const bf16* gAqk = reinterpret_cast<const bf16*>(p.Aqk);
+  // Issue chunk m into its slot (16-byte cp.async; `idx` = 0 .. kIssuers - 1).
+  auto issue = [&](int m, int idx) {
+    K2Slot<K, NCW>& st = sm.slot[m % kStages];
+    const size_t chunk = (size_t)bh * NT + m;
+    async_tile<BT, K, K + kPad, K, kIssuers>(&st.w[0][0], gW + chunk * BT * K, idx);
+    async_tile<BT, K, K + kPad, K, kIssuers>(&st.qd[0][0], gQd + chunk * BT * K, idx);
+    async_tile<K, BT, BT + kPad, BT, kIssuers>(&st.krT[0][0], gKrT + chunk * K * BT, idx);
+    async_tile<BT, BT, BT + kPad, BT, kIssuers>(&st.Aqk[0][0], gAqk + chunk * BT * BT, idx);
+    async_tile<BT, VC, VC, V, kIssuers>(&st.u[0][0], p.u + chunk * BT * V + col0, idx);
+    async_tile<1, K, K, K, kIssuers>(&st.el[0], p.el + chunk * K, idx);
+  };
+
+#ifndef KDA_NO_LOAD_WARP
   if (warp == NCW) {
     // =================== the load warp: producer of the ring ===================
-    const bf16* gQd = reinterpret_cast<const bf16*>(p.qd);
-    const bf16* gW = reinterpret_cast<const bf16*>(p.w);
-    const bf16* gKrT = reinterpret_cast<const bf16*>(p.krT);
-    const bf16* gAqk = reinterpret_cast<const bf16*>(p.Aqk);
-    // Issue chunk m into its slot (one warp, 16-byte cp.async per lane).
-    auto issue = [&](int m) {
-      K2Slot<K, NCW>& st = sm.slot[m % kStages];
-      const size_t chunk = (size_t)bh * NT + m;
-      async_tile<BT, K, K + kPad, K>(&st.w[0][0], gW + chunk * BT * K, lane);
-      async_tile<BT, K, K + kPad, K>(&st.qd[0][0], gQd + chunk * BT * K, lane);
-      async_tile<K, BT, BT + kPad, BT>(&st.krT[0][0], gKrT + chunk * K * BT, lane);
-      async_tile<BT, BT, BT + kPad, BT>(&st.Aqk[0][0], gAqk + chunk * BT * BT, lane);
-      async_tile<BT, VC, VC, V>(&st.u[0][0], p.u + chunk * BT * V + col0, lane);
-      async_tile<1, K, K, K>(&st.el[0], p.el + chunk * K, lane);
-    };
+#ifndef KDA_NO_MBARRIER
     // Chunk m goes to slot m % kStages; that slot's (m / kStages)-th use. Before
     // refilling it, wait until the compute warps released chunk m - kStages (the
     // (m / kStages - 1)-th completion of EMPTY). The load warp never waits for its
@@ -551,20 +691,38 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
       const int s = m % kStages;
       if (m >= kStages) mbar_wait(&sm.empty[s], (m / kStages - 1) & 1);
       if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      issue(m);
+      issue(m, lane);
       mbar_arrive_on_copies(&sm.full[s]);
       if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
     }
     cp_async_wait<0>();  // do not leave the kernel with copies in flight
     return;
+#else
+    // KDA_NO_MBARRIER: chunks 0 .. kStages - 2 now, one cp.async group each (empty
+    // groups past the last chunk keep the count uniform). Then the load warp joins
+    // the chunk loop below: every warp executes the same __syncthreads once per chunk.
+    for (int m = 0; m < kStages - 1; ++m) {
+      if (m < NT) issue(m, lane);
+      cp_async_fence();
+    }
+    if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
+#endif
   }
+#endif
 
   // ===================== compute warp `warp`: 16 columns =====================
-  const int cw0 = col0 + warp * VW;  // first global value column of this warp
+#ifdef KDA_NO_MBARRIER
+  const bool computes = warp < NCW;    // the load warp runs the chunk loop too, for its barriers,
+  const int cwarp = computes ? warp : 0;  // with warp 0's views, which it never touches
+#else
+  constexpr bool computes = true;      // (the load warp has returned)
+  const int cwarp = warp;
+#endif
+  const int cw0 = col0 + cwarp * VW;  // first global value column of this warp
   WarpMma mma;
   auto thr_mma = mma.get_slice(lane);
-  bf16* Sb = &sm.Sb[warp][0][0];
-  bf16* vc = &sm.vc[warp][0][0];
+  bf16* Sb = &sm.Sb[cwarp][0][0];
+  bf16* vc = &sm.vc[cwarp][0][0];
   Tensor sSb = smem_rows<VW, K, K + kPad>(Sb);        // (VW,K)   (vd, d)   B of w @ S, qd @ S
   Tensor sSbC = smem_cols<VW, K, K + kPad>(Sb);       // (K,VW)   (d, vd)   the same array as a C tile
   Tensor sVcB = smem_rows<VW, BT, BT + kPad>(vc);     // (VW,BT)  (vd, c)   B of both vcorr products
@@ -577,19 +735,29 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
   Tensor tCsSb = thr_mma.partition_C(sSbC);
   // The fp32 state of the warp's columns, resident in registers for the whole
   // loop as the accumulator fragment of the S update (K/16 x 2 MMA tiles).
+  // (KDA_NO_REG_STATE: the state lives in shared memory, tCsS; rS only holds it
+  // during each chunk's update, loaded and decayed, accumulated, stored back.)
   Tensor rS = thr_mma.partition_fragment_C(cS);
+#ifdef KDA_NO_REG_STATE
+  Tensor tCsS = thr_mma.partition_C(smem_cols<VW, K, K + kSPad>(&sm.S[cwarp][0][0]));  // (MMA,K/16,2) (d, vd)
+#endif
   // C-fragment elements come in pairs of adjacent columns (e, e + 1): (c, vd), (c, vd + 1).
   static_assert(size<0>(decltype(tCcO.layout()){}) == 4, "SM80 16x8 accumulator: 4 values per lane");
 
-  {  // S = h0[:, cols] (or 0); its bf16 copy -> shared
+  if (computes) {  // S = h0[:, cols] (or 0); its bf16 copy -> shared
     const float* h0 = p.h0 ? p.h0 + (size_t)bh * K * V : nullptr;
     CUTE_UNROLL
     for (int e = 0; e < size(rS); e += 2) {
       const int d = get<0>(tCcS(e)), vd = get<1>(tCcS(e));
       const float2 s2 = h0 ? *reinterpret_cast<const float2*>(h0 + (size_t)d * V + cw0 + vd)
                            : make_float2(0.f, 0.f);
+#ifndef KDA_NO_REG_STATE
       rS(e) = s2.x;
       rS(e + 1) = s2.y;
+#else
+      tCsS(e) = s2.x;
+      tCsS(e + 1) = s2.y;
+#endif
       tCsSb(e) = bf16(s2.x);
       tCsSb(e + 1) = bf16(s2.y);
     }
@@ -605,7 +773,30 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     const int s = n % kStages;
     K2Slot<K, NCW>& st = sm.slot[s];
     const int t0 = n * BT;
+#if defined(KDA_NO_MBARRIER)
+    // The load warp waits for its own copies of chunk n (the group committed
+    // kStages - 1 groups ago); the block barrier then publishes them to every warp
+    // and tells the load warp that chunk n - 1 is done with: its slot is the one
+    // chunk n + kStages - 1 refills.
+    if (!computes) cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (!computes) {
+      if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
+      if (n + kStages - 1 < NT) issue(n + kStages - 1, lane);
+      cp_async_fence();
+      if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
+      continue;
+    }
+#elif defined(KDA_NO_LOAD_WARP)
+    // The compute warps fill slot s themselves (once every compute warp has released
+    // its previous chunk, n - kStages) and wait for the copies right away.
+    if (n >= kStages) mbar_wait(&sm.empty[s], (n / kStages - 1) & 1);
+    issue(n, threadIdx.x);
+    mbar_arrive_on_copies(&sm.full[s]);
     mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
+#else
+    mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
+#endif
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_WAIT, tp);
 
     // ---- w @ S and qd @ S   (two C tiles (BT, VW); both read only S, so their MMAs
@@ -623,7 +814,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     CUTE_UNROLL
     for (int e = 0; e < size(accV); e += 2) {
       const int c = get<0>(tCcO(e)), vd = get<1>(tCcO(e));
-      const float2 u2 = *reinterpret_cast<const float2*>(&st.u[c][warp * VW + vd]);
+      const float2 u2 = *reinterpret_cast<const float2*>(&st.u[c][cwarp * VW + vd]);
       tCsVc(e) = bf16(u2.x - accV(e));
       tCsVc(e + 1) = bf16(u2.y - accV(e + 1));
     }
@@ -643,28 +834,51 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_OSTORE, tp);
 
     // ---- S = diag(exp(glast)) S + kr^T @ vcorr: decay in place, then accumulate ----
+#ifndef KDA_NO_REG_STATE
     CUTE_UNROLL
     for (int e = 0; e < size(rS); ++e) rS(e) *= st.el[get<0>(tCcS(e))];
+#else
+    CUTE_UNROLL
+    for (int e = 0; e < size(rS); ++e) rS(e) = tCsS(e) * st.el[get<0>(tCcS(e))];  // from shared memory
+#endif
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_DECAY, tp);
     mma_smem(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), sVcB, rS);
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
 
     // every read of slot s is done: hand it back to the load warp (for chunk n + kStages;
     // after the last chunks nobody waits, and the arrival is harmless)
+#ifndef KDA_NO_MBARRIER
     mbar_arrive(&sm.empty[s]);
+#endif
     __syncwarp();  // all lanes' reads of Sb and vc for this chunk are done
     CUTE_UNROLL
-    for (int e = 0; e < size(rS); ++e) tCsSb(e) = bf16(rS(e));
+    for (int e = 0; e < size(rS); ++e) {
+      tCsSb(e) = bf16(rS(e));
+#ifdef KDA_NO_REG_STATE
+      tCsS(e) = rS(e);  // the fp32 state back to shared memory (each lane its own elements)
+#endif
+    }
     __syncwarp();  // the new bf16 state is complete before the next chunk's w @ S
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_SCOPY, tp);
   }
+
+#ifdef KDA_NO_MBARRIER
+  if (!computes) {
+    cp_async_wait<0>();  // (only empty groups can be left)
+    return;
+  }
+#endif
 
   // ---- final state: ht[:, cols] = S (float2 stores) ----
   float* ht = p.ht + (size_t)bh * K * V;
   CUTE_UNROLL
   for (int e = 0; e < size(rS); e += 2) {
     const int d = get<0>(tCcS(e)), vd = get<1>(tCcS(e));
+#ifndef KDA_NO_REG_STATE
     *reinterpret_cast<float2*>(ht + (size_t)d * V + cw0 + vd) = make_float2(rS(e), rS(e + 1));
+#else
+    *reinterpret_cast<float2*>(ht + (size_t)d * V + cw0 + vd) = make_float2(tCsS(e), tCsS(e + 1));
+#endif
   }
 }
 
@@ -672,23 +886,18 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
 // launch helpers
 // ---------------------------------------------------------------------------
 
-// Dynamic shared memory above the default 48 KB needs an opt-in per kernel.
-template <typename Kernel>
-cudaError_t allow_smem(Kernel* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  int dev = 0, optin = 0;
-  KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (bytes > (size_t)optin) return cudaErrorInvalidValue;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-}
+// (Dynamic shared memory above the default 48 KB needs an opt-in per kernel:
+// kda_allow_smem, common/include/kda_cuda_check.h.)
 
 template <int K, int V, int NCW>
 cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.B * p.H * (V / (VW * NCW));
   const size_t smem = sizeof(K2Smem<K, NCW>);
-  KDA_RETURN_IF_ERROR(allow_smem(kda_recurrence_kernel<K, V, NCW>, smem));
-  kda_recurrence_kernel<K, V, NCW><<<(unsigned)blocks, 32 * (NCW + 1), smem, stream>>>(p);
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_recurrence_kernel<K, V, NCW>, smem));
+  constexpr int threads = 32 * (NCW + kLoadWarps);
+  kda_note_launch("kda_recurrence_kernel", (const void*)kda_recurrence_kernel<K, V, NCW>, dim3((unsigned)blocks),
+                  dim3(threads), smem);
+  kda_recurrence_kernel<K, V, NCW><<<(unsigned)blocks, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -697,10 +906,12 @@ cudaError_t launch(const KdaFwdParams& p, cudaStream_t stream) {
   const long long bhs = (long long)p.B * p.H;  // B*H*NT and B*H*V/16 <= INT_MAX (checked by the binding)
 
   const size_t smem1 = sizeof(K1Smem<K, V>);
-  KDA_RETURN_IF_ERROR(allow_smem(kda_prepare_kernel<K, V>, smem1));
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
+  kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NT)), dim3(kThreads), smem1);
   kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NT), kThreads, smem1, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
 
+#ifndef KDA_FIXED_WIDTH
   // K2 block width: two compute warps (32 columns) share one load warp and one copy
   // of w, qd, kr^T per chunk; when that leaves SMs idle (few heads), one compute
   // warp per block (16 columns) doubles the number of independent chains.
@@ -709,18 +920,22 @@ cudaError_t launch(const KdaFwdParams& p, cudaStream_t stream) {
   KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   if (bhs * (V / (2 * VW)) >= 2LL * sms) return launch_recurrence<K, V, 2>(p, stream);
   return launch_recurrence<K, V, 1>(p, stream);
+#else
+  // KDA_FIXED_WIDTH: always two compute warps (32 columns, stage 05's block width).
+  return launch_recurrence<K, V, 2>(p, stream);
+#endif
 }
 
-}  // namespace kda06
+}  // namespace kda_stage
 
 // ---------------------------------------------------------------------------
 // launcher
 // ---------------------------------------------------------------------------
 
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, cudaStream_t stream) {
-  if (p.B < 1 || p.T < 1 || p.H < 1 || p.NT != (p.T + kda06::BT - 1) / kda06::BT || p.K != p.V)
+  if (p.B < 1 || p.T < 1 || p.H < 1 || p.NT != (p.T + kda_stage::BT - 1) / kda_stage::BT || p.K != p.V)
     return cudaErrorInvalidValue;
-  if (p.K == 64) return kda06::launch<64, 64>(p, stream);
-  if (p.K == 128) return kda06::launch<128, 128>(p, stream);
+  if (p.K == 64) return kda_stage::launch<64, 64>(p, stream);
+  if (p.K == 128) return kda_stage::launch<128, 128>(p, stream);
   return cudaErrorInvalidValue;
 }

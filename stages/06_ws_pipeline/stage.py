@@ -16,10 +16,10 @@ import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, prepare
+from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["binding.cpp", "kda.cu"]
+SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
     name="06_ws_pipeline",
@@ -44,6 +44,32 @@ SPEC = StageSpec(
     extra={"cutlass": True, "min_sm": 80},
 )
 
+# The ideas of this stage that can be turned off one at a time (common/ablation.py).
+# Each define switches ONE idea of the README off in kda.cu and keeps the others on.
+ABLATIONS = (
+    Ablation(name="no_load_warp", define="KDA_NO_LOAD_WARP",
+             idea="a load warp fills the slot ring (warp specialisation)",
+             instead="the compute warps copy each chunk into its slot themselves and wait for it",
+             region="K2: wait for operands"),
+    Ablation(name="no_mbarrier", define="KDA_NO_MBARRIER",
+             idea="FULL/EMPTY mbarriers per slot",
+             instead="load and compute warps meet at one __syncthreads per chunk",
+             region="K2: wait for operands"),
+    Ablation(name="no_reg_state", define="KDA_NO_REG_STATE",
+             idea="fp32 state in registers (accumulator fragment)",
+             instead="fp32 state in shared memory, loaded and stored back every chunk",
+             region="K2: S decay"),
+    Ablation(name="fixed_width", define="KDA_FIXED_WIDTH",
+             idea="block width chosen by occupancy",
+             instead="always 2 compute warps (32 columns, stage 05's width)",
+             region="K2: wait for operands"),
+    Ablation(name="k1_stage05", define="KDA_K1_STAGE05",
+             idea="K1 rework: batched loads, one exp per element, inverse in registers",
+             instead="stage 05's K1 pre-stage and inverse",
+             region="K1: inverse"),
+)
+
+
 # CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
 # switch off; CuTe's constexpr helpers are called from device code.
 CUDA_FLAGS = [
@@ -53,10 +79,12 @@ CUDA_FLAGS = [
 ]
 
 
-def build(profile=False, verbose=False):
-    """Compile (or load the cached build of) this stage's extension."""
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
-                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose)
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          **ablation_build_args(ABLATIONS, ablation))
 
 
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,

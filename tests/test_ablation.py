@@ -1,0 +1,104 @@
+"""The ablations of the multi-idea stages: declared right, built apart, reported
+honestly (GPU measurements: scripts/gpu_run.py --phases ablations)."""
+
+import re
+
+import pytest
+import torch
+
+from common import ablation, report
+from common.contract import Ablation, ablation_build_args
+from common.paths import STAGES_DIR
+from common.stages import STAGE_DIRS, load_stage, stage_ids
+
+MULTI_IDEA = ("04", "05", "06")  # the stages whose step carries several ideas (issue 12)
+
+
+def test_multi_idea_stages_have_ablations():
+    for sid in MULTI_IDEA:
+        assert len(ablation.ablations(sid)) >= 2, f"stage {sid} carries several ideas: list them in ABLATIONS"
+    assert ablation.stages_with_ablations() == list(MULTI_IDEA)
+
+
+@pytest.mark.parametrize("sid", [s for s in stage_ids() if ablation.ablations(s)])
+def test_ablations_are_declared_right(sid):
+    stage = load_stage(sid)
+    abls = stage.ABLATIONS
+    assert all(isinstance(a, Ablation) for a in abls)
+    assert len({a.name for a in abls}) == len(abls) and len({a.define for a in abls}) == len(abls)
+    src = "\n".join((STAGES_DIR / STAGE_DIRS[sid] / f).read_text() for f in stage.SOURCES)
+    for a in abls:
+        assert re.fullmatch(r"KDA_\w+", a.define), a.define
+        # the switch guards code in the sources (#ifdef / #ifndef / defined(...))
+        assert re.search(rf"#\s*if(n?def\s+{a.define}\b|.*defined\(\s*{a.define}\s*\))", src), \
+            f"{a.define} does not guard any code of stage {sid}"
+        assert a.region in stage.SPEC.regions, f"{a.name}: region {a.region!r} is not one of SPEC.regions"
+        assert a.idea and a.instead
+
+
+def test_ablation_build_args():
+    abls = (Ablation("no_x", "KDA_NO_X", "x", "y", "r"),)
+    assert ablation_build_args(abls, None) == {}
+    assert ablation_build_args(abls, "no_x") == {"variant": "no_x", "defines": ("KDA_NO_X",)}
+    with pytest.raises(ValueError, match="ablation must be one of .*no_x.*got 'no_y'"):
+        ablation_build_args(abls, "no_y")
+
+
+def test_variant_is_a_stage_and_validates_before_building():
+    sid = MULTI_IDEA[-1]
+    name = ablation.ablations(sid)[0].name
+    v = ablation.variant(sid, name)
+    assert v.SPEC.name != load_stage(sid).SPEC.name and v.SPEC.name.startswith(load_stage(sid).SPEC.name)
+    assert v.BASE is load_stage(sid)
+    with pytest.raises(ValueError, match="ablation must be one of"):
+        ablation.variant(sid, "no_such_idea")
+    q = torch.zeros(1, 16, 1, 64, dtype=torch.float64)  # a bad dtype: refused in Python, nothing is built
+    with pytest.raises((ValueError, TypeError), match="q"):
+        v.forward(q, q, q, q, torch.zeros(1, 16, 1), A_log=torch.zeros(1), dt_bias=torch.zeros(1, 64),
+                  gate="bounded", lower_bound=-5.0)
+
+
+def _rows(ok=True):
+    full = dict(stage="06_ws_pipeline", variant="full", idea=None, instead=None, region=None, B=1, T=1024, H=64,
+                K=128, V=128, checks_ok=True, err_ref=4e-3, err_full=None, fwd_ms=0.30, fwd_graph_ms=0.22,
+                profile={"K2: wait for operands": 1000.0, "K2: w@S": 500.0}, profile_unit="cycles")
+    off = dict(full, variant="no_load_warp", idea="load warp", instead="compute warps load", checks_ok=ok,
+               region="K2: wait for operands", err_full=1e-4, fwd_ms=0.50, fwd_graph_ms=0.44,
+               profile={"K2: wait for operands": 3000.0, "K2: w@S": 500.0})
+    return [full, off]
+
+
+def test_bought_is_the_slowdown_without_the_idea():
+    (b,) = ablation.bought(_rows())
+    assert b["fwd_ms_with"] == pytest.approx(0.22) and b["fwd_ms_without"] == pytest.approx(0.44)
+    assert b["fwd_speedup"] == pytest.approx(2.0)
+    assert (b["region_with"], b["region_without"]) == (1000.0, 3000.0)
+    assert "bwd_speedup" not in b  # a forward-only stage has no backward column
+
+
+def test_failed_variant_is_reported_as_failed(monkeypatch):
+    """Negative control: a variant that failed its checks shows FAILED in the
+    README block and the notebook table, never a plain number."""
+    monkeypatch.setattr(ablation, "recorded_rows", lambda sid=None: ({"device": "H200"}, _rows(ok=False)))
+    text = "\n".join(report.ablation_markdown("06_ws_pipeline"))
+    assert "FAILED" in text and "x2.00" in text
+    from common import notebook
+
+    df = notebook.ablation_table("06")
+    assert list(df["checks"]) == ["FAILED"]
+    monkeypatch.setattr(ablation, "recorded_rows", lambda sid=None: ({"device": "H200"}, _rows(ok=True)))
+    assert "FAILED" not in "\n".join(report.ablation_markdown("06_ws_pipeline"))
+
+
+def test_recorded_ablations_passed_their_checks():
+    """What the READMEs show was measured on variants that passed the stage's
+    checks (fp64 reference and the full stage), deterministically."""
+    meta, rows = ablation.recorded_rows()
+    if not rows:
+        pytest.skip("no recorded ablations yet (results/h200/ablations.json)")
+    for sid in MULTI_IDEA:
+        mine = [r for r in rows if r["stage"] == load_stage(sid).SPEC.name]
+        assert {r["variant"] for r in mine} == {"full"} | {a.name for a in ablation.ablations(sid)}, \
+            f"stage {sid}: the recorded variants are not the declared ablations; re-run the ablations phase"
+    bad = [(r["stage"], r["variant"]) for r in rows if not r["checks_ok"]]
+    assert not bad, f"variants that failed their checks: {bad}"
