@@ -297,7 +297,8 @@ class _build_lock:
         self.fh.close()
 
 
-def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = False, profile: bool = False):
+def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = False, profile: bool = False,
+                   extra_flags=()):
     """Registers, shared memory, stack and spills per kernel, from ptxas -v.
 
     Compiles only the device code of each .cu source (no torch headers). Returns
@@ -313,7 +314,7 @@ def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = F
         raise RuntimeError("CUDA toolkit not found (CUDA_HOME)")
     stage_dir = Path(stage_dir)
     files = sorted(stage_dir.glob("*")) + sorted(INCLUDE_DIR.glob("*"))
-    h = hashlib.sha256(f"{arch} {cutlass} {profile} {sources}".encode())
+    h = hashlib.sha256(f"{arch} {cutlass} {profile} {sources} {list(extra_flags)}".encode())
     for f in files:
         if f.is_file():
             h.update(f.name.encode() + f.read_bytes())
@@ -326,7 +327,7 @@ def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = F
             continue
         path = stage_dir / src
         cmd = [str(Path(home) / "bin" / "nvcc"), "-std=c++17", "-O3", f"-arch={arch}", "-Xptxas=-v",
-               "-cubin", "-o", os.devnull, f"-I{INCLUDE_DIR}", f"-I{stage_dir}", str(path)]
+               "-cubin", "-o", os.devnull, f"-I{INCLUDE_DIR}", f"-I{stage_dir}", *extra_flags, str(path)]
         if "sm_90a" in arch:
             cmd[3] = "-gencode=arch=compute_90a,code=sm_90a"
         if cutlass:

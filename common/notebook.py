@@ -15,6 +15,7 @@ Every function that draws is marked with :func:`figure`; the notebook tests
 from __future__ import annotations
 
 import os
+import re
 
 import pandas as pd
 import torch
@@ -342,7 +343,8 @@ def resources(stage_id) -> pd.DataFrame:
     cannot see dynamic shared memory, which is sized at launch."""
     stage = load_stage(stage_id)
     rows = resource_usage(STAGES_DIR / STAGE_DIRS[stage.SPEC.id], stage.SOURCES,
-                          cutlass=stage.SPEC.extra.get("cutlass", False))
+                          cutlass=stage.SPEC.extra.get("cutlass", False),
+                          extra_flags=getattr(stage, "CUDA_FLAGS", ()))
     df = pd.DataFrame(rows).rename(columns={"smem_bytes": "static_smem_bytes"})
     if "cuda" not in stage.SPEC.devices:
         return df
@@ -354,7 +356,9 @@ def resources(stage_id) -> pd.DataFrame:
     extra = []
     for i, r in df.iterrows():
         # the launched instantiation is the one whose registers and static smem match
-        named = [x for x in launched if x["kernel"] == base[i]]
+        targs = re.search(r"<(\d+)", r["kernel"])  # stages 05-07: kernels templated on K first
+        named = [x for x in launched if x["kernel"] == base[i]
+                 and (targs is None or x.get("K") is None or int(targs.group(1)) == x["K"])]
         hit = [x for x in named if x.get("registers") in (None, r["registers"])
                and x.get("static_smem") in (None, r["static_smem_bytes"])]
         if not hit and (base == base[i]).sum() == 1:

@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(kAqkThreads) kda_aqk_kernel(const __grid_const
 
 // 32-column groups of V per K2 block: 1 (the split: a block per (b, h, 32
 // columns)), or with KDA_NO_COLUMN_SPLIT all V / 32 of them (a block per (b, h)).
-constexpr int k2_groups(int V) {
+__host__ __device__ constexpr int k2_groups(int V) {
 #ifndef KDA_NO_COLUMN_SPLIT
   return 1;
 #else
