@@ -6,6 +6,7 @@
     kdalab bench ...            latency sweep to a JSON results file (used on the GPU)
     kdalab results              the recorded results table (the README's table is this output)
     kdalab ablate 06            each idea of a multi-idea stage turned off alone: checked, timed, profiled
+    kdalab diff 05 06           the lesson: two stages' sources diffed as their default builds see them
 
 Exit codes: 0 done (checks passed); 1 a check failed, or nothing could be
 measured; 2 a usage error (one line on stderr); 3 compiled but NOT checked (the
@@ -238,6 +239,25 @@ def cmd_ablate(args) -> int:
     return EXIT_OK if all(r["checks_ok"] for r in rows) else EXIT_FAILED
 
 
+def cmd_diff(args) -> int:
+    import difflib
+
+    from .stages import DIFF_SUFFIXES, STAGE_DIRS, STAGES_DIR, lesson_source
+
+    a, b = _stage_id(args.a), _stage_id(args.b)
+    names = sorted({p.name for s in (a, b) for p in (STAGES_DIR / STAGE_DIRS[s]).iterdir()
+                    if p.suffix in DIFF_SUFFIXES})
+    try:
+        for n in names:
+            for line in difflib.unified_diff(lesson_source(a, n), lesson_source(b, n), lineterm="",
+                                             fromfile=f"stages/{STAGE_DIRS[a]}/{n}",
+                                             tofile=f"stages/{STAGE_DIRS[b]}/{n}", n=args.context):
+                print(line)
+    except BrokenPipeError:  # `kdalab diff 05 06 | head`
+        sys.stderr.close()
+    return EXIT_OK
+
+
 def cmd_results(args) -> int:
     _headless_plots()
     from . import report
@@ -293,6 +313,12 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default=None, help="JSON results file to write")
     a.add_argument("--verbose", action="store_true", help="show the compiler's output")
     a.set_defaults(fn=cmd_ablate)
+    d = sub.add_parser("diff", help="two stages' sources diffed as their default builds see them (ablation "
+                                    "switches resolved off): the lesson")
+    d.add_argument("a", help="stage id, e.g. 05")
+    d.add_argument("b", help="stage id, e.g. 06")
+    d.add_argument("-U", "--context", type=int, default=3, help="lines of context")
+    d.set_defaults(fn=cmd_diff)
     r = sub.add_parser("results", help="print the recorded results table")
     r.add_argument("--write-readme", action="store_true", help="rewrite the results block of README.md")
     r.set_defaults(fn=cmd_results)

@@ -542,19 +542,29 @@ def ablation_markdown(stage_name: str) -> list[str]:
 
 
 def diff_markdown(stage_name: str) -> list[str]:
-    """The size of this stage's lesson: `diff -ru` against the previous stage."""
+    """The size of this stage's lesson: `diff -ru` against the previous stage,
+    as the files are and as the default builds see them (`kdalab diff`: the
+    ablation switches' alternative code of either side left out)."""
     from .stages import DIFF_SUFFIXES, STAGE_DIRS, neighbour_diff, previous
 
     sid = stage_name[:2]
     pid = previous(sid)
-    rows = neighbour_diff(sid)
-    if pid is None or not rows:
+    raw = neighbour_diff(sid)
+    if pid is None or not raw:
         return []
-    total_p, total_m = sum(r["added"] for r in rows), sum(r["removed"] for r in rows)
+    les = {r["file"]: r for r in neighbour_diff(sid, lesson=True)}
+    tot = lambda rows, k: sum(r[k] for r in rows)  # noqa: E731
+    lesv = list(les.values())
     out = [f"The diff from stage {pid} (`diff -ru stages/{STAGE_DIRS[pid]} stages/{stage_name}`, "
-           f"{', '.join(DIFF_SUFFIXES)} files): +{total_p} / -{total_m} lines.\n"]
-    out.append(md_table([dict(file=r["file"], added=f"+{r['added']}", removed=f"-{r['removed']}") for r in rows],
-                        ["file", "added", "removed"], ["file", "added", "removed"]))
+           f"{', '.join(DIFF_SUFFIXES)} files): +{tot(raw, 'added')} / -{tot(raw, 'removed')} lines; "
+           f"as the default builds see the sources (`kdalab diff {pid} {sid}`, the ablation switches' alternative "
+           f"code left out): +{tot(lesv, 'added')} / -{tot(lesv, 'removed')}.\n"]
+    rows = []
+    for r in raw:
+        lr = les.get(r["file"], dict(added=0, removed=0))
+        rows.append(dict(file=r["file"], raw=f"+{r['added']} / -{r['removed']}",
+                         lesson=f"+{lr['added']} / -{lr['removed']}"))
+    out.append(md_table(rows, ["file", "raw", "lesson"], ["file", "diff -ru", "kdalab diff"]))
     return out
 
 

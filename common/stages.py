@@ -8,6 +8,8 @@ kernels, ``profile``.
 
 from __future__ import annotations
 
+import re
+
 from .build import import_module_from
 from .paths import STAGES_DIR
 
@@ -64,11 +66,96 @@ def previous(stage_id):
 # What `diff -ru stages/<previous> stages/<this>` counts: the code, not the README.
 DIFF_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".h")
 
+_DIRECTIVE = re.compile(r"^\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b(.*)$")
 
-def neighbour_diff(stage_id) -> list[dict]:
+
+def _eval_condition(kind: str, expr: str, off: set):
+    """The value of a preprocessor condition when every macro in ``off`` is
+    undefined, or None when it depends on anything else (left as it is)."""
+    expr = re.sub(r"//.*|/\*.*?\*/", "", expr).strip()
+    if kind in ("ifdef", "ifndef"):
+        name = expr.split()[0] if expr else ""
+        if name not in off:
+            return None
+        return kind == "ifndef"
+    e = re.sub(r"defined\s*\(\s*(\w+)\s*\)|defined\s+(\w+)",
+               lambda m: "0" if (m.group(1) or m.group(2)) in off else m.group(0), expr)
+    if "defined" in e or re.search(r"[A-Za-z_]\w*", e.replace("&&", " ").replace("||", " ")):
+        return None  # another macro: not an ablation switch
+    e = e.replace("&&", " and ").replace("||", " or ").replace("!", " not ")
+    return bool(eval(e, {"__builtins__": {}}, {}))  # noqa: S307 - only 0, 1, and, or, not, parentheses
+
+
+def strip_ablations(text: str, defines) -> str:
+    """The source as the stage's default build sees it: every branch of an
+    ablation switch (``defines``, all undefined) resolved, its directives
+    removed; other preprocessor conditionals (KDA_PROFILE, ...) kept."""
+    off = set(defines)
+    out, stack = [], []  # frame: [resolved?, parent active, this branch active, a branch taken]
+    for line in text.splitlines():
+        active = all(f[2] for f in stack)
+        m = _DIRECTIVE.match(line)
+        if m is None:
+            if active:
+                out.append(line)
+            continue
+        kind, expr = m.group(1), m.group(2)
+        if kind in ("ifdef", "ifndef", "if"):
+            v = _eval_condition(kind, expr, off)
+            if v is None:
+                stack.append([False, active, True, True])
+                if active:
+                    out.append(line)
+            else:
+                stack.append([True, active, v, v])
+        elif kind == "elif":
+            f = stack[-1]
+            if not f[0]:
+                if all(g[2] for g in stack[:-1]):
+                    out.append(line)
+                continue
+            v = _eval_condition("if", expr, off)
+            if v is None:
+                raise ValueError(f"#elif mixing an ablation switch with other macros: {line.strip()}")
+            f[2] = (not f[3]) and v
+            f[3] = f[3] or v
+        elif kind == "else":
+            f = stack[-1]
+            if not f[0]:
+                if all(g[2] for g in stack[:-1]):
+                    out.append(line)
+                continue
+            f[2] = not f[3]
+            f[3] = True
+        else:  # endif
+            f = stack.pop()
+            if not f[0] and all(g[2] for g in stack):
+                out.append(line)
+    if stack:
+        raise ValueError("unbalanced #if / #endif")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def lesson_source(stage_id, name: str) -> list[str]:
+    """One file of a stage directory as its lesson: with the stage's ablation
+    switches resolved to the default build (C++ sources), as lines."""
+    sid = normalize(stage_id)
+    path = STAGES_DIR / STAGE_DIRS[sid] / name
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
+        stage = load_stage(sid)
+        text = strip_ablations(text, [a.define for a in getattr(stage, "ABLATIONS", ())])
+    return text.splitlines()
+
+
+def neighbour_diff(stage_id, *, lesson: bool = False) -> list[dict]:
     """Lines added and removed per file from the previous stage's directory to
     this one's (the files `diff -ru` compares, READMEs left out): the size of
-    the lesson. Empty for stage 00."""
+    the lesson. With ``lesson``, both sides as their default builds see them
+    (:func:`lesson_source`: the ablation switches' alternative code left out).
+    Empty for stage 00."""
     import difflib
 
     sid = normalize(stage_id)
@@ -79,8 +166,11 @@ def neighbour_diff(stage_id) -> list[dict]:
     names = sorted({p.name for d in (a, b) for p in d.iterdir() if p.suffix in DIFF_SUFFIXES})
     rows = []
     for n in names:
-        old = (a / n).read_text().splitlines() if (a / n).exists() else []
-        new = (b / n).read_text().splitlines() if (b / n).exists() else []
+        if lesson:
+            old, new = lesson_source(pid, n), lesson_source(sid, n)
+        else:
+            old = (a / n).read_text().splitlines() if (a / n).exists() else []
+            new = (b / n).read_text().splitlines() if (b / n).exists() else []
         plus = minus = 0
         for line in difflib.unified_diff(old, new, lineterm="", n=0):
             if line.startswith("+") and not line.startswith("+++"):

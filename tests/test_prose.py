@@ -91,7 +91,7 @@ def _pools():
         rows = data.get("rows", []) if isinstance(data, dict) else []
         sums = {}
         for r in rows:
-            if "region" in r:  # a profile row: also the sum per stage and kernel (one bar of the profile plot)
+            if "region" in r and "value" in r:  # a profile row: also the sum per stage and kernel (one bar)
                 key = (r["stage"], r["region"].split(":")[0])
                 sums[key] = sums.get(key, 0.0) + r["value"]
             if "B" in r and "T" in r:  # a latency row: its best forward and backward time, for ratios
@@ -103,7 +103,9 @@ def _pools():
                 for k in ("fla_ms", "flashkda_ms", "fla_safe_graph_ms", "flashkda_graph_ms"):  # anchors
                     if isinstance(r.get(k), (int, float)):
                         by_shape.setdefault((shape, "fwd"), set()).add(float(r[k]))
-            if "region" in r:  # the same region in two stages: a ratio the profile prose may quote
+            if isinstance(r.get("profile"), dict):  # an ablation row: its region profile, cycles per block
+                values.update(float(v) for v in r["profile"].values() if v)
+            if "region" in r and "value" in r:  # the same region in two stages: a ratio the profile prose may quote
                 by_shape.setdefault(("region", r["region"]), set()).add(float(r["value"]))
         values.update(sums.values())
         for (stage, bar), v in sums.items():

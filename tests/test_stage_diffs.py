@@ -88,3 +88,66 @@ def test_neighbour_diff_counts_a_change(tmp_path, monkeypatch):
     rows = {r["file"]: r for r in st.neighbour_diff("07")}
     assert list(rows) == ["kda.cu"]
     assert (rows["kda.cu"]["added"], rows["kda.cu"]["removed"]) == (2, 1)
+
+
+SWITCHED = """a
+#ifndef KDA_NO_X
+b
+#else
+c
+#endif
+#ifdef KDA_PROFILE
+p
+#ifdef KDA_NO_X
+q
+#endif
+#endif
+#if defined(KDA_NO_X) && defined(KDA_NO_Y)
+#error no
+#elif defined(KDA_NO_Y)
+y
+#else
+d
+#endif
+#if !defined(KDA_NO_X) || defined(OTHER)
+o
+#endif
+"""
+
+
+def test_strip_ablations_keeps_the_default_build():
+    from common.stages import strip_ablations
+
+    out = strip_ablations(SWITCHED, ["KDA_NO_X", "KDA_NO_Y"]).splitlines()
+    # the default branches stay, the switches' code and directives go; other macros' conditionals stay
+    assert out == ["a", "b", "#ifdef KDA_PROFILE", "p", "#endif", "d",
+                   "#if !defined(KDA_NO_X) || defined(OTHER)", "o", "#endif"]
+
+
+def test_strip_ablations_negative_controls():
+    """With no switches named, nothing is resolved; unbalanced input is refused."""
+    from common.stages import strip_ablations
+
+    assert strip_ablations(SWITCHED, []) == SWITCHED
+    with pytest.raises(ValueError, match="unbalanced"):
+        strip_ablations("#ifndef KDA_NO_X\nb\n", ["KDA_NO_X"])
+
+
+@pytest.mark.parametrize("sid", ["04", "05", "06"])
+def test_lesson_source_has_no_switched_code(sid):
+    from common.stages import lesson_source
+
+    defines = [a.define for a in load_stage(sid).ABLATIONS]
+    for name in load_stage(sid).SOURCES:
+        code = [line for line in lesson_source(sid, name) if not line.lstrip().startswith("//")]
+        assert not [line for line in code if any(d in line.split("//")[0] for d in defines)], name
+
+
+def test_kdalab_diff_is_the_lesson(capsys):
+    from common.cli import main
+
+    assert main(["diff", "06", "07"]) == 0
+    out = capsys.readouterr().out
+    assert "+++ stages/07_movm_register/kda.cu" in out
+    # no directive of an ablation switch (06 has five) reaches the lesson's diff
+    assert not [line for line in out.splitlines() if line[1:].lstrip().startswith("#") and "KDA_NO_" in line]
