@@ -353,19 +353,34 @@ def resources(stage_id) -> pd.DataFrame:
     if not launched:
         return df
     base = df["kernel"].str.replace(r"<.*", "", regex=True).str.split("::").str[-1]
-    extra = []
+    symbols = {}
+    if any(x.get("symbol") for x in launched):  # exact: the instantiation's mangled name
+        from .build import _demangle
+
+        names = [x["symbol"] for x in launched]
+        symbols = {id(x): n for x, n in zip(launched, _demangle(names))}
+    rows_of = {}  # launch -> the ptxas rows it may be
     for i, r in df.iterrows():
-        # the launched instantiation is the one whose registers and static smem match
         targs = re.search(r"<(\d+)", r["kernel"])  # stages 05-07: kernels templated on K first
-        named = [x for x in launched if x["kernel"] == base[i]
-                 and (targs is None or x.get("K") is None or int(targs.group(1)) == x["K"])]
-        hit = [x for x in named if x.get("registers") in (None, r["registers"])
-               and x.get("static_smem") in (None, r["static_smem_bytes"])]
-        if not hit and (base == base[i]).sum() == 1:
-            hit = named  # one instantiation: it is the one launched
-        extra.append(dict(launched=" / ".join(sorted({x["direction"] for x in hit})) if hit else "",
-                          grid=hit[0]["grid"] if hit else None, block=hit[0]["block"] if hit else None,
-                          dynamic_smem_bytes=hit[0]["dynamic_smem"] if hit else None))
+        for x in launched:
+            if symbols:
+                sym = re.sub(r"\(.*", "", symbols[id(x)].replace("(anonymous namespace)::", ""))
+                ok = sym == r["kernel"]
+            else:
+                ok = (x["kernel"] == base[i]
+                      and (targs is None or x.get("K") is None or int(targs.group(1)) == x["K"])
+                      and x.get("registers") in (None, r["registers"])
+                      and x.get("static_smem") in (None, r["static_smem_bytes"]))
+            if ok:
+                rows_of.setdefault(id(x), []).append(i)
+    extra = [dict(launched="", grid=None, block=None, dynamic_smem_bytes=None) for _ in range(len(df))]
+    for x in launched:
+        cand = rows_of.get(id(x), [])
+        for i in cand:
+            e = extra[i]
+            tag = x["direction"] + ("" if len(cand) == 1 else f" (one of {len(cand)} instantiations)")
+            e["launched"] = " / ".join(sorted(set(filter(None, e["launched"].split(" / "))) | {tag}))
+            e.update(grid=x["grid"], block=x["block"], dynamic_smem_bytes=x["dynamic_smem"])
     return pd.concat([df, pd.DataFrame(extra)], axis=1)
 
 

@@ -503,7 +503,8 @@ def ablations_overview_markdown() -> str:
     if not table:
         return ""
     return md_table(table, ["stage", "shape", "idea", "fwd", "bwd", "checks"],
-                    ["stage", "shape", "idea turned off", "forward: slower by", "backward: slower by", "checks"])
+                    ["stage", "shape", "idea turned off", "forward: time without / with it",
+                     "backward: time without / with it", "checks"])
 
 
 def ablation_markdown(stage_name: str) -> list[str]:

@@ -39,15 +39,19 @@ inline void check_shape(const torch::Tensor& t, const char* name, c10::IntArrayR
 inline bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
 
 // The kernels the last call launched (kda_note_launch): a list of dicts with
-// grid, block, dynamic shared memory, and the registers and static shared
-// memory of the instantiation launched (cudaFuncGetAttributes).
+// grid, block, dynamic shared memory, and the symbol, registers and static
+// shared memory of the instantiation launched (cudaFuncGetName,
+// cudaFuncGetAttributes).
 inline pybind11::list launches() {
   pybind11::list out;
   for (const KdaLaunch& l : kda_launch_log()) {
     cudaFuncAttributes attr{};
     kda_check(cudaFuncGetAttributes(&attr, l.func), "cudaFuncGetAttributes");
+    const char* symbol = nullptr;  // the mangled name of the instantiation launched
+    kda_check(cudaFuncGetName(&symbol, l.func), "cudaFuncGetName");
     pybind11::dict d;
     d["kernel"] = l.kernel;
+    d["symbol"] = symbol != nullptr ? symbol : "";
     d["grid"] = l.grid;
     d["block"] = l.block;
     d["dynamic_smem"] = l.dynamic_smem;
