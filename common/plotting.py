@@ -212,49 +212,62 @@ def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought"
 
     Left: the stage's time with every idea on (``full_ms``: {"fwd": ms, "bwd": ms})
     against its time with one idea turned off, one bar per idea and direction,
-    the slowdown written at the bar's end. Right: the profile region each idea
-    moved, with and without it (per block, ``unit``), in that region's colour."""
+    the time and the ratio (without / with) written at the bar's end; a log axis
+    only when the times span more than 10x. Right: the profile region each idea
+    moved, with and without it (per block, ``unit``, log axis), in that region's
+    colour."""
+    import textwrap
+
     if axes is None:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 1.6 + 0.55 * max(len(bought), 2)),
+        fig, axes = plt.subplots(1, 2, figsize=(13, 1.8 + 0.62 * max(len(bought) * (1 + (full_ms.get("bwd") is not None)), 3)),
                                  gridspec_kw={"width_ratios": [3, 2]})
     ax, bx = axes
+    wrap = lambda t: "\n".join(textwrap.wrap(t, 46))  # noqa: E731
     labels, vals, colors, notes = [], [], [], []
     for y in ("fwd", "bwd"):
         if full_ms.get(y) is None:
             continue
-        labels.append(f"stage, every idea on ({y})")
+        labels.append(f"every idea on ({y})")
         vals.append(full_ms[y])
         colors.append("#444444")
         notes.append(format_ms(full_ms[y]))
         for b in bought:
             if b.get(f"{y}_ms_without") is None:
                 continue
-            bad = "" if b["checks_ok"] else "  CHECKS FAILED"
-            labels.append(f"without {b['idea']} ({y})")
+            bad = "  CHECKS FAILED" if not b["checks_ok"] else ""
+            labels.append(wrap(f"without {b['idea']} ({y})"))
             vals.append(b[f"{y}_ms_without"])
             colors.append(region_color(b["region"]) if b.get("region") else "#999999")
             notes.append(f"{format_ms(b[f'{y}_ms_without'])}  x{b[f'{y}_speedup']:.2f}{bad}")
-    ys = range(len(labels))
-    ax.barh(list(ys), vals, color=colors, height=0.7)
+    ys = list(range(len(labels)))
+    ax.barh(ys, vals, color=colors, height=0.7)
     for yv, v, n in zip(ys, vals, notes):
         ax.text(v, yv, "  " + n, va="center", fontsize=8)
-    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlim(min(vals) / 1.5, max(vals) * 4)
-    ax.set_xlabel("GPU time per call, ms (log; xN = slower without the idea)")
-    ax.set_title(title)
+    if max(vals) / min(vals) > 10:
+        ax.set_xscale("log")
+        ax.set_xlim(min(vals) / 1.5, max(vals) * 6)
+        ax.set_xlabel("GPU time per call, ms (log axis); xN = time without the idea / with it")
+    else:
+        ax.set_xlim(0, max(vals) * 1.45)
+        ax.set_xlabel("GPU time per call, ms; xN = time without the idea / with it")
+    ax.set_title(title, fontsize=10)
     moved = [b for b in bought if b.get("region")]
-    ys = range(len(moved))
-    bx.barh([y - 0.18 for y in ys], [b["region_with"] for b in moved], height=0.36,
+    ys = list(range(len(moved)))
+    bx.barh([y - 0.18 for y in ys], [max(b["region_with"], 1.0) for b in moved], height=0.36,
             color=[region_color(b["region"]) for b in moved], label="with the idea")
-    bx.barh([y + 0.18 for y in ys], [b["region_without"] for b in moved], height=0.36,
-            color=[region_color(b["region"]) for b in moved], alpha=0.45, hatch="//", label="without")
-    bx.set_yticks(list(ys), [f"{b['region']}\n(idea: {b['idea']})" for b in moved], fontsize=7)
+    bx.barh([y + 0.18 for y in ys], [max(b["region_without"], 1.0) for b in moved], height=0.36,
+            color=[region_color(b["region"]) for b in moved], alpha=0.45, hatch="//", label="without it")
+    bx.set_yticks(ys, [wrap(f"{b['region']} (without {b['idea']})") for b in moved], fontsize=7)
     bx.invert_yaxis()
-    bx.set_xlabel(f"the region the idea moved ({'s' if unit == 's' else 'clock64 cycles per block'})")
-    bx.legend(fontsize=7, frameon=False, loc="lower right")
-    bx.set_title("where it shows")
+    bx.set_xscale("log")
+    lo = min([max(b["region_with"], 1.0) for b in moved] + [max(b["region_without"], 1.0) for b in moved] or [1.0])
+    hi = max([b["region_with"] for b in moved] + [b["region_without"] for b in moved] or [10.0])
+    bx.set_xlim(lo / 4, hi * 2)
+    bx.set_xlabel(("seconds" if unit == "s" else "cycles per block (clock64)") + ", log axis")
+    bx.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    bx.set_title("where it shows", fontsize=10)
     ax.figure.tight_layout()
     return ax
 

@@ -102,3 +102,35 @@ def test_recorded_ablations_passed_their_checks():
             f"stage {sid}: the recorded variants are not the declared ablations; re-run the ablations phase"
     bad = [(r["stage"], r["variant"]) for r in rows if not r["checks_ok"]]
     assert not bad, f"variants that failed their checks: {bad}"
+
+
+def test_resources_match_the_launched_instantiation(monkeypatch):
+    """The resources table puts a launch's dynamic shared memory on the ptxas
+    row of the instantiation launched: exactly by symbol when recorded, and
+    marked as ambiguous (never guessed) when two instantiations look alike."""
+    import pandas as pd
+
+    from common import notebook
+
+    ptxas = [dict(kernel="void kda_stage::kda_recurrence_kernel<128, 128, 1>", registers=124, smem_bytes=0,
+                  stack_bytes=0, spill_stores=0, spill_loads=0),
+             dict(kernel="void kda_stage::kda_recurrence_kernel<128, 128, 2>", registers=124, smem_bytes=0,
+                  stack_bytes=0, spill_stores=0, spill_loads=0)]
+    launch = dict(direction="fwd", kernel="kda_recurrence_kernel", K=128, grid=512, block=64, dynamic_smem=56624,
+                  registers=124, static_smem=0)
+    monkeypatch.setattr(notebook, "resource_usage", lambda *a, **k: [dict(r) for r in ptxas])
+    monkeypatch.setattr(notebook, "launches", lambda sid: ([dict(launch)], "test"))
+    df = notebook.resources("06")
+    assert list(df["launched"]) == ["fwd (one of 2 instantiations)"] * 2
+    sym = dict(launch, symbol="_ZN9kda_stage21kda_recurrence_kernelILi128ELi128ELi1EEEv12KdaFwdParams")
+    monkeypatch.setattr(notebook, "launches", lambda sid: ([sym], "test"))
+    df = notebook.resources("06")
+    assert list(df["launched"]) == ["fwd", ""] and df["dynamic_smem_bytes"].iloc[0] == 56624
+    assert pd.isna(df["dynamic_smem_bytes"].iloc[1])
+
+
+def test_kdalab_ablate_refuses_a_one_idea_stage(capsys):
+    from common.cli import main
+
+    assert main(["ablate", "07"]) == 2
+    assert "one idea" in capsys.readouterr().err
