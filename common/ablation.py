@@ -83,13 +83,8 @@ def _timings(st, spec, shape, budget_s: float) -> dict:
             st.forward(**kw)
 
     out = {"fwd_" + k: v for k, v in _time(f, budget_s).items()}
-    if spec.backward:
-        ext = st.build()
-        do, dht = bench.make_cotangents((shape["B"], shape["T"], shape["H"], shape["V"]),
-                                        (shape["B"], shape["H"], shape["K"], shape["V"]), seed=1)
-        c = prepare(spec, **kw)
-        b = lambda: extrun.backward(ext, c, do.cuda(), dht.cuda())  # noqa: E731
-        out.update({"bwd_" + k: v for k, v in _time(b, budget_s).items()})
+    if spec.backward:  # the variant's own build: bench's backward closure calls st.build()
+        out.update({"bwd_" + k: v for k, v in _time(bench._backward_fn(st, kw, "cuda"), budget_s).items()})
     return out
 
 

@@ -305,30 +305,41 @@ def latency_rows(stage_ids, name: str = "fp32_stages") -> pd.DataFrame:
     return df[[c for c in cols if c in df]] if len(df) else df
 
 
+def live_launches(stage_id) -> tuple[list[dict], dict]:
+    """On a GPU: the kernels one forward (and, where there is one, backward) of
+    the stage launches at its regime shape, from ext.launches(). Returns (rows
+    with their direction, the shape)."""
+    from . import extrun
+    from .ablation import shape_for
+    from .contract import prepare
+
+    stage = load_stage(stage_id)
+    spec = stage.SPEC
+    shape = shape_for(stage_id)
+    kw = checks.stage_inputs(spec, **shape, device="cuda")
+    ext = stage.build()
+    c = prepare(spec, **kw)
+    extrun.run(ext, spec, c)
+    torch.cuda.synchronize()
+    rows = [dict(direction="fwd", **r) for r in ext.launches()]
+    if spec.backward:
+        B, T, H, K, V = (shape[x] for x in "BTHKV")
+        extrun.backward(ext, c, torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda"))
+        torch.cuda.synchronize()
+        rows += [dict(direction="bwd", **r) for r in ext.launches()]
+    return rows, shape
+
+
 def launches(stage_id) -> tuple[list[dict], str]:
     """The kernels one forward (and backward) of the stage launches at its
     regime shape: grid, block, dynamic shared memory (as the launcher chose
     it), registers and static shared memory of the instantiation launched.
-    Live on a GPU (ext.launches()), else recorded (results/h200/launches.json).
-    Returns (rows, where they come from)."""
-    from .ablation import shape_for
-    from .contract import prepare
-    from . import extrun
-
-    stage = load_stage(stage_id)
-    spec = stage.SPEC
+    Live on a GPU (:func:`live_launches`), else recorded
+    (results/h200/launches.json). Returns (rows, where they come from)."""
+    spec = load_stage(stage_id).SPEC
     ok, _ = spec.runnable_here()
     if ok and "cuda" in spec.devices:
-        shape = shape_for(stage_id)
-        kw = checks.stage_inputs(spec, **shape, device="cuda")
-        ext = stage.build()
-        c = prepare(spec, **kw)
-        extrun.run(ext, spec, c)
-        rows = [dict(direction="fwd", **r) for r in ext.launches()]
-        if spec.backward:
-            B, T, H, K, V = (shape[x] for x in "BTHKV")
-            extrun.backward(ext, c, torch.randn(B, T, H, V, device="cuda"), torch.randn(B, H, K, V, device="cuda"))
-            rows += [dict(direction="bwd", **r) for r in ext.launches()]
+        rows, shape = live_launches(stage_id)
         return rows, f"live, {bench.shape_label(shape)}"
     rec = results.recorded("launches")
     rows = [r for r in (rec or {}).get("rows", []) if r.get("stage") == spec.name]

@@ -190,36 +190,18 @@ def record_ablations(stages):
 
 def record_launches(stages):
     """Grid, block and dynamic shared memory of every kernel of each stage at its
-    regime shape (ext.launches() after one forward and, where there is one,
-    backward) -> $OUT/launches.json."""
-    import torch
-
-    from common import checks, extrun
-    from common.ablation import shape_for
-    from common.contract import prepare
+    regime shape (common.notebook.live_launches) -> $OUT/launches.json."""
+    from common.notebook import live_launches
     from common.results import metadata, save
     from common.stages import load_stage
 
     rows = []
     for sid in stages:
-        stage = load_stage(sid)
-        spec = stage.SPEC
-        shape = shape_for(sid)
-        kw = checks.stage_inputs(spec, **shape, device="cuda")
-        ext = stage.build()
-        c = prepare(spec, **kw)
-        extrun.run(ext, spec, c)
-        torch.cuda.synchronize()
-        got = [dict(stage=spec.name, direction="fwd", **shape, **l) for l in ext.launches()]
-        if spec.backward:
-            do, dht = torch.randn(shape["B"], shape["T"], shape["H"], shape["V"], device="cuda"), \
-                torch.randn(shape["B"], shape["H"], shape["K"], shape["V"], device="cuda")
-            extrun.backward(ext, c, do, dht)
-            torch.cuda.synchronize()
-            got += [dict(stage=spec.name, direction="bwd", **shape, **l) for l in ext.launches()]
-        rows += got
-        log(f"launches {spec.name}: " + ", ".join(f"{l['kernel']} {l['grid']}x{l['block']} "
-                                                 f"{l['dynamic_smem']} B" for l in got))
+        name = load_stage(sid).SPEC.name
+        got, shape = live_launches(sid)
+        rows += [dict(stage=name, **shape, **r) for r in got]
+        log(f"launches {name}: " + ", ".join(f"{r['kernel']} {r['grid']}x{r['block']} "
+                                            f"{r['dynamic_smem']} B" for r in got))
     save(OUT / "launches.json", rows, metadata(command="python scripts/gpu_run.py --phases launches"))
 
 
