@@ -22,6 +22,7 @@ STAGE_DIRS = {
     "05": "05_cute_bf16",
     "06": "06_ws_pipeline",
     "07": "07_movm_register",
+    "08": "08_fused",
 }
 
 _CACHE: dict = {}

@@ -1,0 +1,63 @@
+"""Stage 08 has two paths (K1 + K2, or the fused kernel) and picks one per call.
+Every path is checked on its own, whatever the rule would pick for the shape:
+against the fp64 reference and stage 07 (tolerance), bitwise against stage 07
+(same roundings), and a path that does not exist for the sizes is refused with
+a named error. The GPU tests are marked gpu; the argument checks run anywhere."""
+
+import pytest
+import torch
+
+from common import checks
+from common.stages import load_stage
+
+S08 = load_stage("08")
+PATH_CASES = [
+    checks.Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=81),          # tail chunk, h0
+    checks.Case(1, 100, 5, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, h0=False, seed=82),  # T < 7 chunks
+]
+
+
+def test_path_names_are_checked_before_anything_runs():
+    with pytest.raises(ValueError, match="path must be one of"):
+        with S08.path("fused3"):
+            pass
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("name", list(S08.PATHS))
+def test_every_path_is_correct_and_equal_to_stage07(name, case):
+    if name == "fused8" and case.V < 128:
+        pytest.skip("fused8 needs V = 128 (test_fused8_refuses_v64)")
+    with S08.path(name):
+        rows = checks.check_case(S08, case, device="cuda")
+        kernels = {x["kernel"] for x in S08.build().launches()}
+        inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+        got = checks.run(S08.forward, inp, "cuda", backward=False)
+    assert kernels == ({"kda_fused_kernel"} if name.startswith("fused") else
+                       {"kda_prepare_kernel", "kda_recurrence_kernel"}), kernels
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, checks.format_rows(bad)
+    ref = checks.run(load_stage("07").forward, inp, "cuda", backward=False)
+    assert torch.equal(got["o"], ref["o"]) and torch.equal(got["S"], ref["S"]), "not bitwise equal to stage 07"
+
+
+@gpu
+def test_fused8_refuses_v64():
+    case = PATH_CASES[1]
+    inp = checks.case_inputs(case, "cuda", torch.bfloat16)
+    with S08.path("fused8"), pytest.raises(RuntimeError, match="pinned path"):
+        S08.forward(**inp)
+
+
+@gpu
+def test_rule_picks_fused_when_the_heads_fill_the_gpu():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for H, want in ((sms, "kda_fused_kernel"), (2, "kda_recurrence_kernel")):
+        inp = checks.case_inputs(checks.Case(1, 40, H, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0),
+                                 "cuda", torch.bfloat16)
+        S08.forward(**inp)
+        assert want in {x["kernel"] for x in S08.build().launches()}, (H, S08.build().launches())
