@@ -211,13 +211,27 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// On sm_90 the wait is try_wait: a thread whose phase has not completed is
+// suspended in hardware until it does (or a time limit passes, then it asks
+// again) instead of spinning on test_wait and taking issue slots from the warps
+// that do the work -- in the fused kernel, the prepare warps that every waiting
+// compute warp depends on.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "\t@!done bra WAIT;\n\t}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#else
   asm volatile(
       "{\n\t.reg .pred done;\n"
       "WAIT:\n\tmbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "\t@!done bra WAIT;\n\t}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 // Asynchronous copy of a [ROWS, COLS] tile from global (rows SRC_LD elements
@@ -313,15 +327,27 @@ __device__ __forceinline__ void load_rows(const KdaFwdParams& p, int b, int h, i
 // Phase 1: normalise the rows -> shared: qn = q / sqrt(sum q^2 + eps), kn likewise;
 // a = lb * sigmoid(exp(A_log) (g + dt_bias)); beta = sigmoid(beta); v as bf16.
 // Padded tokens: a = 0, beta = 0.
+// The head's gate parameters of this lane: exp(A_log[h]) and its K/32 features of dt_bias.
+template <int K>
+struct GateParams {
+  float aexp, dtb[K / 32];
+};
+template <int K>
+__device__ __forceinline__ GateParams<K> gate_params(const KdaFwdParams& p, int h, int lane) {
+  GateParams<K> gp;
+  gp.aexp = expf(p.A_log[h]);
+#pragma unroll
+  for (int j = 0; j < K / 32; ++j) gp.dtb[j] = p.dt_bias[(size_t)h * K + lane * (K / 32) + j];
+  return gp;
+}
+
 template <int K, int V>
-__device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, int h, int n, int warp,
-                                           int lane, const RawRows<K, V>& r) {
+__device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
+                                           int warp, int lane, const RawRows<K, V>& r) {
   constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV;
   const int len = min(BT, p.T - n * BT);
-  const float aexp = expf(p.A_log[h]);
-  float dtb[QV];
-#pragma unroll
-  for (int j = 0; j < QV; ++j) dtb[j] = p.dt_bias[(size_t)h * K + lane * QV + j];
+  const float aexp = gp.aexp;
+  const float* dtb = gp.dtb;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int c = warp * kRows + i;
@@ -510,7 +536,7 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
 
   RawRows<K, V> raw;
   load_rows(p, b, h, n, warp, lane, raw);
-  stage_rows(sm, p, h, n, warp, lane, raw);
+  stage_rows(sm, p, gate_params<K>(p, h, lane), n, warp, lane, raw);
   __syncthreads();
   decay_columns<K, V, K, BT>(sm, p, tid, reinterpret_cast<bf16*>(p.qd) + slot * BT * K,
                              reinterpret_cast<bf16*>(p.krT) + slot * K * BT, p.el + slot * K);
@@ -780,8 +806,9 @@ __device__ __forceinline__ void prep_sync() { asm volatile("bar.sync 1, %0;\n" :
 // 32 * (4 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
 // Profile: slot = block index; thread 0 times the prepare (K1 regions summed
-// over the block's chunks, and the wait for a free slot), compute warp 0's
-// lane 0 the K2 regions.
+// over the block's chunks; K2L_ISSUE = stage_rows + the next chunk's loads;
+// K2L_WAIT_SLOT = the prepare warps' barrier and the wait for a free slot),
+// compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW>
 __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
@@ -807,14 +834,17 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
     // =================== the prepare warps: producer of the ring ===================
     const int tid = threadIdx.x, b = bh / p.H, h = bh % p.H;
     KDA_PROF_START(tp);
+    const GateParams<K> gp = gate_params<K>(p, h, lane);  // once per block, not per chunk
     RawRows<K, V> raw;
     load_rows(p, b, h, 0, warp, lane, raw);
     for (int n = 0; n < p.NT; ++n) {
       const int s = n % kStages;
       K2Slot<K, NCW>& st = sm.ring.slot[s];
       prep_sync();  // chunk n - 1's phases are done with the scratch
-      stage_rows(sm.prep, p, h, n, warp, lane, raw);
+      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
+      stage_rows(sm.prep, p, gp, n, warp, lane, raw);
       if (n + 1 < p.NT) load_rows(p, b, h, n + 1, warp, lane, raw);  // in flight until the next stage_rows
+      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
       // slot s is refilled once the compute warps released chunk n - kStages
       if (n >= kStages) mbar_wait(&sm.ring.empty[s], (n / kStages - 1) & 1);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);

@@ -42,8 +42,8 @@ enum KdaRegion {
   KDA_REG_K2_DECAY = 10,     // K2: S decay           (S *= exp(glast), registers)
   KDA_REG_K2_KV = 11,        // K2: kr^T@vcorr        (accumulated into S)
   KDA_REG_K2_SCOPY = 12,     // K2: S to bf16         (accumulator -> B fragment, movmatrix)
-  KDA_REG_K2L_WAIT_SLOT = 13,// K2 producer: wait for a free slot (EMPTY[slot] mbarrier; load warp or prepare warps)
-  KDA_REG_K2L_ISSUE = 14,    // K2 load warp: issue cp.async
+  KDA_REG_K2L_WAIT_SLOT = 13,// K2 producer: wait (EMPTY[slot] mbarrier; fused: also the prepare warps' barrier)
+  KDA_REG_K2L_ISSUE = 14,    // K2 producer: issue loads (load warp: cp.async; fused: stage_rows + next chunk's loads)
 };
 
 struct KdaFwdParams {

@@ -40,7 +40,7 @@ SPEC = StageSpec(
         "K1: load+pre-stage", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store",
         "K2: wait for operands", "K2: w@S", "K2: qd@S", "K2: vcorr", "K2: Aqk@vcorr", "K2: o store",
         "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
-        "K2 producer: wait for a free slot", "K2 load warp: issue cp.async",
+        "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
     ),
     region_unit="cycles",
     extra={"cutlass": True, "min_sm": 80},
