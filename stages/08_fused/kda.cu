@@ -32,8 +32,13 @@
 //     kda_fwd_plan picks the path (see kda.h); the binding allocates the
 //     workspace only for the split path.
 //
-// Numerics: the same roundings as stage 07 on both paths, so the outputs agree
-// bitwise with stage 07 and between the paths. Bitwise deterministic.
+//   * The fused prepare computes e = exp(gc) and 1/e with ex2.approx (see
+//     decay_columns): the prepare is now on the critical path of every block.
+//
+// Numerics: the split path has stage 07's roundings (bitwise equal outputs);
+// the fused path differs from it only by the ex2.approx of the decay factors,
+// each within about 2e-7 relative before the bf16 rounding. Both bitwise
+// deterministic.
 
 #include <cuda_runtime.h>
 
@@ -286,14 +291,18 @@ template <int K, int V>
 struct RawRows {
   static constexpr int kRows = BT / (kThreads / 32), QV = K / 32, VV = V / 32;
   bf16 q[kRows][QV], k[kRows][QV], g[kRows][QV], v[kRows][VV];
-  float beta[kRows];
+  bf16 beta[kRows];  // raw bf16, converted in stage_rows (see load_rows)
 };
 
 // Phase 0 (issue only): the global loads of chunk n, ALL rows of the warp first
 // (one 8- or 4-byte vector per lane and tensor). Padded tokens (t >= T) get
 // q = k = v = 0, beta logit 0 and are not read. Nothing waits here: the values
 // are first used by stage_rows, so the loads of the next chunk fly while the
-// fused kernel's prepare warps finish the current one.
+// fused kernel's prepare warps finish the current one. Even beta stays bf16 in
+// its register: stage 07 converted it to float right after its load, and since
+// the compiler gives the four rows' beta the same register, each row's
+// conversion waited for that row's load -- four memory latencies in a row, in
+// every K1 block (about 8e3 cycles per chunk, measured in the fused kernel).
 template <int K, int V>
 __device__ __forceinline__ void load_rows(const KdaFwdParams& p, int b, int h, int n, int warp, int lane,
                                           RawRows<K, V>& r) {
@@ -313,13 +322,13 @@ __device__ __forceinline__ void load_rows(const KdaFwdParams& p, int b, int h, i
       load_vec(k + row * K + lane * QV, r.k[i]);
       load_vec(g + row * K + lane * QV, r.g[i]);
       load_vec(v + row * V + lane * VV, r.v[i]);
-      r.beta[i] = static_cast<float>(beta[row]);
+      r.beta[i] = beta[row];  // no conversion here: a use would wait for the load
     } else {
 #pragma unroll
       for (int j = 0; j < QV; ++j) r.q[i][j] = r.k[i][j] = r.g[i][j] = bf16(0.f);
 #pragma unroll
       for (int j = 0; j < VV; ++j) r.v[i][j] = bf16(0.f);
-      r.beta[i] = 0.f;
+      r.beta[i] = bf16(0.f);
     }
   }
 }
@@ -374,7 +383,7 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
     store_vec(&sm.kn[c][lane * QV], kn);
     store_vec(&sm.a[c][lane * QV], av);
     store_vec(&sm.v[c][lane * RawRows<K, V>::VV], r.v[i]);
-    if (lane == 0) sm.beta[c] = real ? sigmoid_f(r.beta[i]) : 0.f;
+    if (lane == 0) sm.beta[c] = real ? sigmoid_f(static_cast<float>(r.beta[i])) : 0.f;
   }
 }
 
@@ -386,10 +395,20 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
 //   qd -> out_qd [BT, K] (rows LDQ apart);  kr = kn e^glast / e -> out_krT as kr^T
 //   [K, BT] (rows LDKR apart; row d is this thread's 16 values: two 16-byte
 //   stores);  exp(glast) -> out_el [K].
-template <int K, int V, int LDQ, int LDKR>
+//   kFast (the fused kernel, where this phase is on the critical path): e and 1/e
+//   as two ex2.approx of +-gc log2(e) instead of expf and an IEEE division --
+//   about 2e-7 relative error each, far below the bf16 rounding (4e-3) that
+//   follows; K1 keeps expf so that the split path stays bitwise stage 07's.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+template <int K, int V, int LDQ, int LDKR, bool kFast = false>
 __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
                                               bf16* out_krT, float* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
+  constexpr float kLog2e = 1.4426950408889634f;
   for (int d = tid; d < K; d += kThreads) {
     float gc[BT];
     float acc = 0.f;
@@ -398,12 +417,13 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
       acc += sm.a[c][d];
       gc[c] = acc;
     }
-    const float el = expf(acc);  // exp(glast)
+    const float el = kFast ? ex2_approx(acc * kLog2e) : expf(acc);  // exp(glast)
     out_el[d] = el;
     uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
-      const float e = expf(gc[c]), ie = 1.0f / e;
+      const float e = kFast ? ex2_approx(gc[c] * kLog2e) : expf(gc[c]);
+      const float ie = kFast ? ex2_approx(-gc[c] * kLog2e) : 1.0f / e;
       const float knv = sm.kn[c][d];
       sm.kd[c][d] = bf16(knv * e);
       sm.ki[c][d] = bf16(knv * ie);
@@ -849,7 +869,7 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
       if (n >= kStages) mbar_wait(&sm.ring.empty[s], (n / kStages - 1) & 1);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync();
-      decay_columns<K, V, K + kPad, BT + kPad>(sm.prep, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
+      decay_columns<K, V, K + kPad, BT + kPad, true>(sm.prep, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
       products<K, V, BT + kPad>(sm.prep, tid, &st.Aqk[0][0]);
