@@ -29,7 +29,8 @@ _FAMILIES = {
              "bwd: reverse recurrence"],
     "Purples": ["K2: vcorr", "K2: Aqk@vcorr", "K2: kr^T@vcorr", "K2: S decay", "K2: S update", "K2: S to bf16"],
     "Greys": ["K2: loads / barriers", "K2: wait for operands", "K2 load warp: wait for a free slot",
-              "K2 load warp: issue cp.async"],
+              "K2 load warp: issue cp.async", "K2 producer: wait (free slot, barrier)",
+              "K2 producer: issue loads (+ stage rows, fused)"],
 }
 
 

@@ -994,15 +994,13 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const long long bhs = (long long)p.B * p.H;
-  // Fused, one block per head, when the heads alone fill the SMs: then the
-  // prepare streams beside the recurrence and the workspace round trip is gone.
-  // Otherwise the split path (K1 chunk-parallel over every SM, then K2), two
-  // compute warps per K2 block when that still leaves two blocks per SM.
-  if (bhs >= sms) {
-    *plan = KdaPlan{true, max_ncw};
-  } else {
-    *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= 2LL * sms ? 2 : 1};
-  }
+  // The split path at every size: the fused kernel is correct but slower at
+  // every benchmark shape (its prepare warps need about 1.1e4 cycles per chunk
+  // where the recurrence needs 2.6e3; docs/PERF_NOTES.md), so it runs only when
+  // pinned. Two compute warps per K2 block as soon as the blocks of that width
+  // still cover the SMs once (stage 07 asked for twice: measured 1.2-1.3x
+  // slower at 64 and 96 heads).
+  *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= sms ? 2 : 1};
   return cudaSuccess;
 }
 

@@ -82,7 +82,7 @@ struct KdaPlan {
 };
 
 // The plan for these sizes on the current device: want_fused < 0 picks by the
-// stage's rule (fused with ncw = V/16 when B*H >= the number of SMs, else split);
+// stage's rule (split; ncw = 2 when B*H*V/32 >= the number of SMs, else 1);
 // want_fused 0/1 with want_ncw asks for one path (cudaErrorInvalidValue if it
 // does not exist). Sizes this stage does not support: cudaErrorInvalidValue.
 cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan);
