@@ -17,7 +17,8 @@ import torch
 from . import extrun
 from .checks import stage_device
 from .contract import prepare
-from .fla_ref import fla_available, fla_forward
+from .fla_ref import (FLASHKDA_NAME, fla_available, fla_forward, flashkda_available, flashkda_call,
+                      flashkda_unsupported)
 from .inputs import make_cotangents, make_inputs
 from .stages import load_stage
 from .timing import time_call
@@ -154,9 +155,28 @@ def _backward_fn(stage, kw, device):
 
 def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, device=None,
                 dtype=torch.float32, budget_s: float = 1.0, graph: bool = True, say=None) -> dict:
-    """Time one stage (or "fla") at one shape. Returns a flat row. ``gate`` and
-    ``chunk`` default to the stage's own (its first gate, its default chunk);
-    FLA defaults to the softplus gate."""
+    """Time one stage (or "fla", or "flashkda") at one shape. Returns a flat
+    row. ``gate`` and ``chunk`` default to the stage's own (its first gate, its
+    default chunk); FLA defaults to the softplus gate. FlashKDA (row stage
+    "FlashKDA") is forward only, bf16, bounded gate, its own 16-token chunks,
+    K = V = 128; its own call is timed (fla_ref.flashkda_call: the states in
+    its [B, H, V, K] layout, no transposes). RuntimeError with the reason when
+    a reference is not available here or cannot take the shape."""
+    if stage_id == "flashkda":
+        ok, why = flashkda_available()
+        if not ok:
+            raise RuntimeError(why)
+        gate = gate or "bounded"
+        why = flashkda_unsupported(shape["K"], shape["V"], gate)
+        if why is not None:
+            raise RuntimeError(why)
+        dev = torch.device("cuda")
+        kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
+                         device=dev, gate=gate, chunk_size=16)
+        row = dict(stage=FLASHKDA_NAME, **shape, gate=gate, chunk=16, dtype="bfloat16", device=str(dev))
+        t = _timed(flashkda_call(**kw), dev, budget_s, graph, say)
+        row.update({"fwd_" + k: v for k, v in t.items()})
+        return row
     if stage_id == "fla":
         ok, why = fla_available()
         if not ok:

@@ -102,6 +102,13 @@ def fla_cases():
     ]
 
 
+def flashkda_cases():
+    """The cases FlashKDA is checked on against the fp64 reference: the
+    tensor-core and FLA cases it can take (K = V = 128, bounded gate), with
+    and without h0, a tail chunk, T = 1000."""
+    return [c for c in tc_cases() + fla_cases() if c.K == c.V == 128 and c.gate == "bounded"]
+
+
 def cases_for(spec, device, quick: bool = False):
     """The check cases a stage is held to on a device: bf16 stages their own
     regime (bounded gate, chunk 16), fp32 stages the CPU or the GPU set."""
@@ -280,6 +287,29 @@ def check_against_fla(stage, case: Case) -> list[dict]:
         e, f = rel_err(got[name], fla[name]), rel_err(fla[name], ref[name])
         rows.append(dict(stage=spec.name, case=case.id, output=name, against="FLA chunk_kda", err_fla=e,
                          fla_err_ref=f, tol_fla=2 * tol, tol=tol, ok=e <= 2 * tol and f <= tol))
+    return rows
+
+
+def check_flashkda(case: Case) -> list[dict]:
+    """FlashKDA's own errors on one case: o and the final state against the
+    fp64 reference on the same bf16 inputs as the stages (GPU, FlashKDA built;
+    fla_ref.flashkda_forward turns its [B, H, V, K] state back into
+    [B, H, K, V]). Rows like a stage's (stage "FlashKDA", err_ref, no previous
+    stage), held to the bf16 tolerance; summarize() takes them."""
+    from .fla_ref import FLASHKDA_NAME, flashkda_available, flashkda_forward
+
+    ok, why = flashkda_available()
+    if not ok:
+        raise RuntimeError(why)
+    inp = case_inputs(case, "cpu", torch.bfloat16)
+    got = run(flashkda_forward, inp, "cuda", backward=False)
+    ref = run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
+    tol = tolerance("bf16")
+    rows = []
+    for name in ("o", "S"):
+        e = rel_err(got[name], ref[name])
+        rows.append(dict(stage=FLASHKDA_NAME, case=case.id, output=name, err_ref=e, err_prev=None, prev=None,
+                         tol=tol, ok=e <= tol))
     return rows
 
 

@@ -52,7 +52,7 @@ def _stage_ids(csv: str, allow_fla: bool = False) -> list[str]:
     ids = [s.strip() for s in csv.split(",") if s.strip()]
     if not ids:
         raise UsageError("--stages needs at least one stage id, e.g. --stages 00,01")
-    return [s if (allow_fla and s == "fla") else _stage_id(s) for s in ids]
+    return [s if (allow_fla and s in ("fla", "flashkda")) else _stage_id(s) for s in ids]
 
 
 def _runnable(sid):
@@ -176,7 +176,7 @@ def cmd_bench(args) -> int:
                              f"(0-{len(shapes) - 1})")
         shapes = [shapes[i] for i in idx]
     for sid in ids:
-        if sid == "fla":
+        if sid in ("fla", "flashkda"):
             continue
         spec = load_stage(sid).SPEC
         if args.chunk is not None and spec.chunk_sizes is not None and args.chunk not in spec.chunk_sizes:
@@ -297,7 +297,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also store the timings as recorded results under results/cpu/")
     t.set_defaults(fn=cmd_tour)
     b = sub.add_parser("bench", help="latency sweep written to a JSON results file")
-    b.add_argument("--stages", required=True, help="comma-separated ids, 'fla' for FLA's chunk_kda")
+    b.add_argument("--stages", required=True, help="comma-separated ids, 'fla' for FLA's chunk_kda, "
+                   "'flashkda' for FlashKDA (built by scripts/build_flashkda.py; K = V = 128, bounded gate)")
     b.add_argument("--sweep", choices=("cpu", "fp32-gpu", "tc-gpu"), default="cpu")
     b.add_argument("--gate", default=None, choices=("softplus", "bounded"),
                    help="default: each stage's own first gate (softplus for FLA)")

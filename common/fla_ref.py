@@ -1,13 +1,24 @@
 """Optional comparison kernels: FLA's Triton chunk_kda (pip package fla-core)
 and FlashKDA (MoonshotAI, not on PyPI), imported only when present and only on
 a GPU. Both get the same raw inputs as the stages (gate, l2norm and beta
-sigmoid fused in the kernel)."""
+sigmoid fused in the kernel).
+
+FlashKDA is built from a checkout by scripts/build_flashkda.py into
+build/flashkda (flash_kda_C); the checkout's small ``flash_kda`` package wraps
+it. :func:`flashkda_available` finds that build; its code is never copied
+here."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
+import sys
+from pathlib import Path
 
 import torch
+
+from .paths import BUILD_DIR, REPO_ROOT
 
 
 def fla_available() -> tuple[bool, str]:
@@ -32,9 +43,135 @@ def fla_forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=N
     )
 
 
+# --------------------------------------------------------------------------
+# FlashKDA
+# --------------------------------------------------------------------------
+
+FLASHKDA_NAME = "FlashKDA"  # the stage name of its benchmark and check rows
+FLASHKDA_HEAD_DIM = 128  # FlashKDA takes K = V = 128 only
+FLASHKDA_BUILD_DIR = BUILD_DIR / "flashkda"  # where scripts/build_flashkda.py puts flash_kda_C
+FLASHKDA_SRC_ENV = "KDALAB_FLASHKDA_SRC"  # a FlashKDA checkout (its flash_kda/ package); default .flashkda
+
+
+def flashkda_src(path=None) -> Path:
+    """The FlashKDA checkout whose ``flash_kda/`` package wraps the build:
+    ``path``, else $KDALAB_FLASHKDA_SRC, else .flashkda; relative to the
+    repository root."""
+    p = Path(path or os.environ.get(FLASHKDA_SRC_ENV) or ".flashkda")
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def flashkda_built(build_dir=None) -> Path | None:
+    """The flash_kda_C module built by scripts/build_flashkda.py, or None."""
+    hits = sorted(Path(build_dir or FLASHKDA_BUILD_DIR).glob("flash_kda_C*.so"))
+    return hits[0] if hits else None
+
+
+def use_flashkda_build(path=None, build_dir=None) -> list[str]:
+    """Make a FlashKDA built by scripts/build_flashkda.py importable: put its
+    build folder (flash_kda_C, default build/flashkda) and the checkout that
+    holds the ``flash_kda`` package (``path``, default $KDALAB_FLASHKDA_SRC or
+    .flashkda) at the front of sys.path. Returns the folders added (for a
+    subprocess's PYTHONPATH)."""
+    dirs = [str(Path(build_dir or FLASHKDA_BUILD_DIR)), str(flashkda_src(path))]
+    for d in reversed(dirs):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    importlib.invalidate_caches()
+    return dirs
+
+
 def flashkda_available() -> tuple[bool, str]:
+    """(True, "") if FlashKDA can run here. When ``flash_kda`` is not
+    importable but scripts/build_flashkda.py left a build in build/flashkda,
+    that build is put on the path (:func:`use_flashkda_build`)."""
     if not torch.cuda.is_available():
         return False, "FlashKDA needs a GPU"
-    if importlib.util.find_spec("flash_kda") is None:
-        return False, "FlashKDA is not installed (it is not on PyPI; build it from its repository)"
+    if importlib.util.find_spec("flash_kda") is None or importlib.util.find_spec("flash_kda_C") is None:
+        if flashkda_built() is None:
+            return False, ("FlashKDA is not installed (it is not on PyPI): build it with "
+                           "scripts/build_flashkda.py --src <a checkout of MoonshotAI/FlashKDA>")
+        if not (flashkda_src() / "flash_kda" / "__init__.py").exists():
+            return False, (f"FlashKDA is built in {FLASHKDA_BUILD_DIR} but its flash_kda package is not in "
+                           f"{flashkda_src()} (set {FLASHKDA_SRC_ENV} to the checkout)")
+        use_flashkda_build()
+    try:
+        importlib.import_module("flash_kda")
+    except Exception as e:  # a build for another torch or GPU: say why
+        return False, f"FlashKDA does not import: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return True, ""
+
+
+def flashkda_unsupported(K: int, V: int, gate: str = "bounded") -> str | None:
+    """Why FlashKDA cannot take a call of this head size and gate, or None."""
+    if gate != "bounded":
+        return f"FlashKDA has only the bounded gate (FLA's safe gate), not {gate!r}"
+    if K != FLASHKDA_HEAD_DIM or V != FLASHKDA_HEAD_DIM:
+        return f"FlashKDA needs K = V = {FLASHKDA_HEAD_DIM}, got K={K} V={V}"
+    return None
+
+
+def _flashkda_args(q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, gate,
+                   lower_bound) -> dict:
+    """Validate a contract call for FlashKDA (before anything touches a GPU)
+    and convert it to flash_kda.fwd's arguments: contiguous inputs, the output
+    buffer, and the states in FlashKDA's [B, H, V, K] layout (fp32)."""
+    from .contract import alloc
+
+    why = flashkda_unsupported(q.shape[-1], v.shape[-1], gate)
+    if why is not None:
+        raise ValueError(why)
+    for n, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"FlashKDA takes bf16 {n}, got {x.dtype}")
+    lb = -5.0 if lower_bound is None else float(lower_bound)
+    if not -5.0 <= lb <= 0.0:
+        raise ValueError(f"FlashKDA takes lower_bound in [-5, 0], got {lb}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    h0 = None
+    if initial_state is not None:  # ours [B, H, K, V] -> FlashKDA's [B, H, V, K]
+        h0 = initial_state.detach().to(torch.float32).transpose(-1, -2).contiguous()
+    final = alloc((B, H, V, K), torch.float32, q.device) if output_final_state else None
+    return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+                scale=float(K ** -0.5 if scale is None else scale), out=alloc((B, T, H, V), torch.bfloat16, q.device),
+                A_log=A_log.detach().to(torch.float32).contiguous(),
+                dt_bias=dt_bias.detach().to(torch.float32).reshape(H, K).contiguous(), lower_bound=lb,
+                initial_state=h0, final_state=final, cu_seqlens=None)
+
+
+def flashkda_forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None, output_final_state=True,
+                     gate="bounded", lower_bound=None, chunk_size=None):
+    """FlashKDA's forward with the stage contract's arguments and return:
+    (o in bf16 [B, T, H, V], final state fp32 in this project's [B, H, K, V]
+    layout, or None). FlashKDA keeps its states as [B, H, V, K]: the initial
+    state goes in transposed and the final state comes back transposed.
+    Takes bf16 q, k, v, g, beta with K = V = 128 and the bounded gate only
+    (ValueError otherwise, before any kernel); chunk_size is FlashKDA's own
+    and is ignored; no backward."""
+    a = _flashkda_args(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, gate=gate, lower_bound=lower_bound)
+    import flash_kda
+
+    flash_kda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], a["scale"], a["out"], a["A_log"], a["dt_bias"],
+                  a["lower_bound"], initial_state=a["initial_state"], final_state=a["final_state"], cu_seqlens=None)
+    S = a["final_state"]
+    return a["out"], (S.transpose(-1, -2).contiguous() if S is not None else None)
+
+
+def flashkda_call(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None, output_final_state=True,
+                  gate="bounded", lower_bound=None, chunk_size=None):
+    """A zero-argument function that runs FlashKDA's own call on these inputs,
+    converted once (the states stay in its [B, H, V, K] layout, no transpose,
+    the output buffers allocated once): what the benchmark times, as FlashKDA
+    is called in a model."""
+    a = _flashkda_args(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, gate=gate, lower_bound=lower_bound)
+    import flash_kda
+
+    def call():
+        flash_kda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], a["scale"], a["out"], a["A_log"], a["dt_bias"],
+                      a["lower_bound"], initial_state=a["initial_state"], final_state=a["final_state"],
+                      cu_seqlens=None)
+
+    return call

@@ -21,10 +21,10 @@ import pandas as pd
 import torch
 
 from . import bench, checks, results
-from .results import FLA_TC, anchor_rows
+from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, anchor_rows
 from .bench import progress_bar
 from .build import resource_usage
-from .fla_ref import fla_available
+from .fla_ref import fla_available, flashkda_available, flashkda_unsupported
 from .paths import STAGES_DIR
 from .plotting import plot_ablation, plot_bars, plot_latency, plot_profile, split_bars
 from .report import PROFILE_SHAPE
@@ -202,7 +202,7 @@ def _live_sweep(sid, shapes, tc: bool = False):
 
 
 def _stage_name(sid) -> str:
-    return "FLA chunk_kda" if sid == "fla" else load_stage(sid).SPEC.name
+    return {"fla": "FLA chunk_kda", "flashkda": FLASHKDA}.get(sid) or load_stage(sid).SPEC.name
 
 
 def _gather(stage_ids, shapes_for, recorded, tc: bool, budget_s: float):
@@ -217,6 +217,8 @@ def _gather(stage_ids, shapes_for, recorded, tc: bool, budget_s: float):
         mine = [dict(r) for r in recorded if r.get("stage") == name]
         if sid == "fla":
             ok, why = fla_live()
+        elif sid == "flashkda":  # no autotuning: live whenever it is built here
+            ok, why = flashkda_available()
         else:
             spec = load_stage(sid).SPEC
             ok, why = spec.runnable_here()
@@ -224,7 +226,7 @@ def _gather(stage_ids, shapes_for, recorded, tc: bool, budget_s: float):
             rec += mine
             notes.append(f"{name}: recorded ({why})")
             continue
-        dev = "cuda" if sid == "fla" else checks.stage_device(load_stage(sid).SPEC).type
+        dev = "cuda" if sid in ("fla", "flashkda") else checks.stage_device(load_stage(sid).SPEC).type
         shapes = shapes_for(sid, dev)
         now, skipped, need, rest = bench.fit_budget(name, shapes, recorded if dev == "cuda" else [], left)
         if now:
@@ -399,13 +401,17 @@ def resources(stage_id) -> pd.DataFrame:
 def tc_latency(stage_ids=("05",)):
     """Tensor-core stages against FLA and FlashKDA at the H200 shapes, GPU time
     (graph replay) where measured, else eager. On a GPU the stages are measured
-    live (FLA too when opted in); otherwise the recorded figures are shown: the
-    stages and FLA as measured on one H200 lease, and FlashKDA (not
-    installable here) from the newest file in results/anchors/."""
+    live (FLA too when opted in; FlashKDA whenever scripts/build_flashkda.py
+    built it here); otherwise the recorded figures are shown: the stages, FLA
+    and FlashKDA as measured on one H200 lease, and, at the shapes where
+    FlashKDA (or FLA) was not measured there, the newest file in
+    results/anchors/, labelled "(anchor ...)"."""
     meta, rec = _recorded("tc_stages")
-    ids = list(stage_ids) + ["fla"]
+    ids = list(stage_ids) + ["fla", "flashkda"]
 
     def shapes_for(sid, dev):
+        if sid == "flashkda":  # K = V = 128 only
+            return [s for s in bench.TC_GPU_SHAPES if flashkda_unsupported(s["K"], s["V"]) is None]
         return bench.TC_GPU_SHAPES
 
     key = ("tc", tuple(ids))
@@ -416,21 +422,28 @@ def tc_latency(stage_ids=("05",)):
         print(n)
     if rec_rows and meta is not None:
         print("recorded: " + results.label(meta))
-    rows = [dict(r, where="live") for r in live_rows] + [dict(r, where="recorded") for r in rec_rows]
+    rows = [dict(r, where="live") for r in live_rows if bench.best_ms(r) is not None] + \
+        [dict(r, where="recorded") for r in rec_rows if bench.best_ms(r) is not None]
     for r in rows:
         if r["stage"] == "FLA chunk_kda":
             r["stage"] = FLA_TC
-        if r["where"] == "recorded" and live_rows:
+        if r["stage"] == FLASHKDA:  # measured beside the stages: live here, or recorded with them
+            r["stage"] = "FlashKDA (measured, recorded)" if r["where"] == "recorded" and live_rows \
+                else FLASHKDA_MEASURED
+        elif r["where"] == "recorded" and live_rows:
             r["stage"] += " (recorded)"
     shapes = {bench.shape_label(r) for r in rows}
-    rows += [r for r in anchor_rows({bench.shape_label(r) for r in rows if r["stage"].startswith(FLA_TC)})
-             if bench.shape_label(r) in shapes]  # the anchor's shapes where the stages were measured
+    fla_at = {bench.shape_label(r) for r in rows if r["stage"].startswith(FLA_TC)}
+    fk_at = {bench.shape_label(r) for r in rows if r["stage"].startswith(FLASHKDA)}
+    anchored = [r for r in anchor_rows(fla_at, fk_at) if bench.shape_label(r) in shapes]
+    rows += anchored  # the anchor's shapes where the stages were measured and the reference was not
     order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
     rows.sort(key=lambda r: (order.get(r["stage"].split(" ")[0], 50), r["stage"]))
     data, path = results.newest_anchor()
-    if data is not None:
-        print(f"FlashKDA{' and FLA where not measured' if any('FLA' in r['stage'] and 'anchor' in r['stage'] for r in rows) else ''}: "
-              f"anchors measured on the H200 ({path.name}: {data.get('date', '')}, {data.get('device', '')})")
+    if anchored:
+        which = " and ".join(dict.fromkeys("FLA" if r["stage"].startswith("FLA") else "FlashKDA" for r in anchored))
+        print(f"{which} where not measured beside the stages: anchors measured on the H200 "
+              f"({path.name}: {data.get('date', '')}, {data.get('device', '')})")
     for r in rows:
         r["shape"] = bench.shape_label(r)
         r["ms"] = bench.best_ms(r)
@@ -453,13 +466,18 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
                 label = r["stage"]
                 if label == "FLA chunk_kda":
                     label = "FLA chunk_kda (fp32, softplus)" if name == "fp32_stages" else FLA_TC
+                elif label == FLASHKDA:
+                    label = FLASHKDA_MEASURED
                 else:
                     label += " (fp32, softplus)" if name == "fp32_stages" else " (bf16, bounded)"
                 rows.append(dict(stage=label, fwd_ms=bench.best_ms(r), bwd_ms=bench.best_ms(r, "bwd"),
                                  note=r.get("error") or r.get("note") or ""))
     fla_at = {bench.shape_label(shape)} if any(r["stage"] == FLA_TC for r in rows) else frozenset()
+    fk_at = {bench.shape_label(shape)} if any(r["stage"] == FLASHKDA_MEASURED and r["fwd_ms"] is not None
+                                              for r in rows) else frozenset()
+    rows = [r for r in rows if not (r["stage"] == FLASHKDA_MEASURED and r["fwd_ms"] is None)]
     rows += [dict(stage=r["stage"], fwd_ms=r["fwd_graph_ms"], bwd_ms=None, note="anchor " + r["anchor"])
-             for r in anchor_rows(fla_at) if all(r.get(k) == v for k, v in shape.items())]
+             for r in anchor_rows(fla_at, fk_at) if all(r.get(k) == v for k, v in shape.items())]
     order = {n: i for i, n in enumerate(STAGE_DIRS.values())}
     rows.sort(key=lambda r: order.get(r["stage"].split(" ")[0], 100))
     df = pd.DataFrame(rows)

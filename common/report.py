@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 
 from . import bench, checks, results
-from .results import anchor_rows
 from .metrics import worst
 from .paths import RESULTS_DIR
 from .plotting import plot_bars, plot_latency, plot_profile, split_bars
@@ -109,9 +108,47 @@ def _recorded_latency(name: str, reg: str):
     return _at([r for r in data["rows"] if r.get("stage") == name], REGIMES[reg]["shape"]), data["meta"]
 
 
-def _ref_rows(reg: str, live_fla: dict | None) -> list[dict]:
+def _flashkda_errors():
+    """(worst error of o and the final state against fp64, where from):
+    FlashKDA's own checks measured beside the stages (stage "FlashKDA" in
+    results/h200/checks.json) where recorded, else the newest anchor's."""
+    data = results.recorded("checks")
+    own = [r for r in (data or {}).get("rows", []) if r.get("stage") == results.FLASHKDA and "err_ref" in r]
+    if own:
+        return worst(r["err_ref"] for r in own), f"checks.json, {data['meta'].get('date', '')[:10]}"
+    anchor, path = results.newest_anchor()
+    acc = ((anchor or {}).get("accuracy_vs_fp64") or {}).get("flashkda", {})
+    return (max(acc["o"] + acc["S"]), f"anchor {path.name}") if acc else (None, None)
+
+
+def _flashkda_ref_row(shape, live: dict | None = None) -> dict | None:
+    """FlashKDA's summary row at a shape: timed here (``live``), else measured
+    beside the stages (results/h200/tc_stages.json), else the newest anchor;
+    labelled "FlashKDA (measured)" or "FlashKDA (anchor <file>)"."""
+    err, err_from = _flashkda_errors()
+    if live is not None:
+        row, where, src = live, "measured here", "here"
+    else:
+        row = _at(results.flashkda_rows(), shape)
+        if row is None:
+            return None
+        if row["stage"] == results.FLASHKDA_MEASURED:
+            where = f"recorded on {row.get('measured_on')}, {str(row.get('date'))[:10]}, commit {row.get('commit')}"
+            src = "checks.json"
+        else:
+            anchor, _ = results.newest_anchor()
+            device = str(anchor.get("device", "")).split(",")[0]
+            where, src = f"anchor, recorded on {device}, {anchor.get('date', '')}", "anchor"
+    if err_from is not None and not err_from.startswith(src):
+        where += f"; error from {err_from}"
+    stage = results.FLASHKDA_MEASURED if live is not None else row["stage"]
+    return dict(stage=stage, where=where, err_ref=err, fwd_ms=bench.best_ms(row))
+
+
+def _ref_rows(reg: str, live_fla: dict | None, live_flashkda: dict | None = None) -> list[dict]:
     """FLA and FlashKDA rows of a regime: FLA live if it was timed here, else
-    recorded beside the stages; FlashKDA from the newest anchor."""
+    recorded beside the stages; FlashKDA live if timed here, else measured
+    beside the stages where recorded, else from the newest anchor."""
     out = []
     if "FLA chunk_kda" in REGIMES[reg]["refs"]:
         prec = "bf16, safe gate" if reg == "tc-gpu" else "fp32, softplus"
@@ -126,18 +163,37 @@ def _ref_rows(reg: str, live_fla: dict | None) -> list[dict]:
                 out.append(dict(stage=f"FLA chunk_kda ({prec})", where=f"recorded on {meta['device']}, {meta['date'][:10]}",
                                 err_ref=fla_err, fwd_ms=bench.best_ms(row), bwd_ms=bench.best_ms(row, "bwd")))
     if "FlashKDA" in REGIMES[reg]["refs"]:
-        data, path = results.newest_anchor()
-        shape = REGIMES[reg]["shape"]
-        for r in (data or {}).get("rows", []):
-            if (r["B"], r["T"], r["H"], r["D"]) == (shape["B"], shape["T"], shape["H"], shape["K"]):
-                acc = (data.get("accuracy_vs_fp64") or {}).get("flashkda", {})
-                err = max(acc["o"] + acc["S"]) if acc else None
-                ms = r.get("flashkda_ms", r.get("flashkda_graph_ms"))
-                out.append(dict(stage="FlashKDA", where=f"anchor {path.name}", err_ref=err, fwd_ms=ms))
+        row = _flashkda_ref_row(REGIMES[reg]["shape"], live_flashkda)
+        if row is not None:
+            out.append(row)
     return out
 
 
-def _summary_tables(summary: list[dict], live_fla: dict) -> str:
+def flashkda_column(shapes) -> tuple[str, dict]:
+    """FlashKDA's forward ms at some shapes (bench.shape_label strings), for a
+    table column: measured beside the stages where recorded, else the newest
+    anchor's. Returns (the column's label, {shape: cell}); the label says
+    where the figures come from, and when they come from both, each anchor
+    cell is marked "(anchor)"."""
+    got = {}
+    for r in results.flashkda_rows():
+        lab = bench.shape_label(r)
+        if lab in shapes and bench.best_ms(r) is not None:
+            got[lab] = r
+    measured = {r["stage"] == results.FLASHKDA_MEASURED for r in got.values()}
+    anchors = sorted({r["anchor"] for r in got.values() if "anchor" in r})
+    if measured == {True}:
+        head = results.FLASHKDA_MEASURED
+    elif measured == {False}:
+        head = results.flashkda_anchor_label(anchors[-1])
+    else:
+        head = f"FlashKDA (measured; anchor {Path(anchors[-1]).stem} where marked)"
+    mark = len(measured) > 1
+    cells = {lab: _fmt(bench.best_ms(r)) + (" (anchor)" if mark and "anchor" in r else "") for lab, r in got.items()}
+    return head, cells
+
+
+def _summary_tables(summary: list[dict], live_fla: dict, live_flashkda: dict | None = None) -> str:
     cols = ["stage", "where", "err_ref", "vs_prev", "fwd_ms", "bwd_ms"]
     heads = ["stage", "where", "max err vs fp64", "max err vs previous stage", "fwd ms", "bwd ms"]
     out = []
@@ -145,7 +201,7 @@ def _summary_tables(summary: list[dict], live_fla: dict) -> str:
         rows = [r for r in summary if r.get("regime") == reg]
         if not rows:
             continue
-        rows = rows + _ref_rows(reg, live_fla.get(reg))
+        rows = rows + _ref_rows(reg, live_fla.get(reg), live_flashkda if reg == "tc-gpu" else None)
         for r in rows:
             if r.get("err_prev") is not None:
                 r["vs_prev"] = (f"bitwise equal to {r['prev']}" if r["err_prev"] == 0
@@ -269,6 +325,16 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
                     kw = dict(dtype=torch.bfloat16, gate="bounded", chunk=16, backward=False) if reg == "tc-gpu" \
                         else dict(backward=False)
                     live_fla[reg] = bench.bench_stage("fla", REGIMES[reg]["shape"], **kw)
+    live_flashkda = None
+    if any(r.get("regime") == "tc-gpu" for r in summary):
+        from .fla_ref import flashkda_available
+
+        if flashkda_available()[0]:  # no autotuning: timed whenever it is importable (built)
+            say(f"[tour] FlashKDA at {bench.shape_label(REGIMES['tc-gpu']['shape'])} ...")
+            try:
+                live_flashkda = bench.bench_stage("flashkda", REGIMES["tc-gpu"]["shape"], budget_s=0.5)
+            except RuntimeError as e:
+                say(f"[tour] FlashKDA not timed: {str(e).splitlines()[0]}")
     figs = []
     for reg in REGIMES:
         rows = [dict(r) for r in lat_rows if regime(load_stage(r["stage"][:2]).SPEC) == reg and bench.best_ms(r)
@@ -303,7 +369,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
             name = f"profile_{'cpu' if unit == 's' else 'gpu'}.png"
             ax.figure.savefig(out_dir / name, dpi=110, bbox_inches="tight")
             md.append(f"\n![profile]({name})\n")
-    table = _summary_tables(summary, live_fla)
+    table = _summary_tables(summary, live_fla, live_flashkda)
     md.insert(1, "## Summary\n\n" + table)
     path = out_dir / "tour.md"
     path.write_text("\n".join(md))
@@ -364,6 +430,10 @@ def correctness_markdown() -> str:
                                           else f"{p:.1e} vs {own[0]['prev']}")
             lines.append(f"| {name} | {ref} | {prev} | {data['meta']['device']}, {len(own)} outputs x "
                          f"{own[0]['cases']} cases |")
+        fk = {r["output"]: r for r in data["rows"] if r.get("stage") == results.FLASHKDA and "err_ref" in r}
+        if "o" in fk and "S" in fk:  # FlashKDA's own errors, measured beside the stages
+            lines.append(f"| {results.FLASHKDA_MEASURED} | {fk['o']['err_ref']:.1e} (o), {fk['S']['err_ref']:.1e} "
+                         f"(state) | - | {data['meta']['device']}, 2 outputs x {fk['o']['cases']} cases |")
         fla = [r for r in data["rows"] if "err_fla" in r]
         for name in dict.fromkeys(r["stage"] for r in fla):
             mine = {r["output"]: r for r in fla if r["stage"] == name}
@@ -376,22 +446,23 @@ def correctness_markdown() -> str:
 
 def tc_markdown() -> str:
     """The tensor-core stages, FLA and FlashKDA at the H200 shapes (forward, GPU
-    time in ms), from results/h200/tc_stages.json and the newest anchor."""
+    time in ms), from results/h200/tc_stages.json; FlashKDA measured there
+    where recorded, else from the newest anchor (see :func:`flashkda_column`)."""
     data = results.recorded("tc_stages")
     if not data:
         return ""
-    names = list(dict.fromkeys(r["stage"] for r in data["rows"]))
-    rows = [dict(r) for r in data["rows"]] + [dict(r, stage="FlashKDA") for r in anchor_rows()
-                                               if r["stage"] == "FlashKDA (anchor)"]
-    names.append("FlashKDA")
-    shapes = list(dict.fromkeys(bench.shape_label(r) for r in data["rows"]))
-    heads = [n.replace("FLA chunk_kda", "FLA") for n in names]
-    out = "| shape | " + " | ".join(heads) + " |\n|" + "---|" * (len(names) + 1) + "\n"
+    names = [n for n in dict.fromkeys(r["stage"] for r in data["rows"]) if n != results.FLASHKDA]
+    rows = [dict(r) for r in data["rows"]]
+    shapes = list(dict.fromkeys(bench.shape_label(r) for r in data["rows"] if r.get("stage") != results.FLASHKDA))
+    fk_head, fk = flashkda_column(shapes)
+    heads = [n.replace("FLA chunk_kda", "FLA") for n in names] + [fk_head]
+    out = "| shape | " + " | ".join(heads) + " |\n|" + "---|" * (len(names) + 2) + "\n"
     for s in shapes:
         cells = []
         for n in names:
             hit = [r for r in rows if r["stage"] == n and bench.shape_label(r) == s and bench.best_ms(r)]
             cells.append(f"{bench.best_ms(hit[-1]):.3g}" if hit else "-")
+        cells.append(fk.get(s, "-"))
         out += f"| {s} | " + " | ".join(cells) + " |\n"
     return out
 
@@ -403,10 +474,13 @@ def results_markdown() -> str:
              "**Correctness per stage** (`results/*/checks.json`):\n", correctness_markdown()]
     tc = tc_markdown()
     if tc:
-        data, path = results.newest_anchor()
+        _, path = results.newest_anchor()
+        measured = bool(results.measured_flashkda_rows())
+        anchor = f"`results/anchors/{path.name if path else '-'}`"
+        fk = (f"FlashKDA measured beside them there, the anchor {anchor} where it was not" if measured
+              else f"FlashKDA from the anchor {anchor}")
         lines += [f"**The tensor-core stages against FLA and FlashKDA** (forward, GPU time by CUDA-graph replay, "
-                  f"ms; stages and FLA from `results/h200/tc_stages.json`, FlashKDA from "
-                  f"`results/anchors/{path.name if path else '-'}`):\n", tc]
+                  f"ms; stages and FLA from `results/h200/tc_stages.json`, {fk}):\n", tc]
     abl = ablations_overview_markdown()
     if abl:
         lines += ["**What each idea bought** (the multi-idea stages with one idea turned off at a time by its "
@@ -453,10 +527,9 @@ def stage_measured_markdown(stage_name: str) -> str:
         for r in data["rows"]:
             if r.get("stage") == "FLA chunk_kda":
                 refs.setdefault(bench.shape_label(r), {})["FLA"] = bench.best_ms(r)
-        if name == "tc_stages":
-            for r in anchor_rows():
-                if r["stage"] == "FlashKDA (anchor)":
-                    refs.setdefault(bench.shape_label(r), {})["FlashKDA"] = bench.best_ms(r)
+        fk_head, fk = flashkda_column({bench.shape_label(r) for r in mine}) if name == "tc_stages" else ("", {})
+        for lab, cell in fk.items():
+            refs.setdefault(lab, {})["FlashKDA"] = cell
         rows = []
         for r in mine:
             ref = refs.get(bench.shape_label(r), {})
@@ -468,8 +541,7 @@ def stage_measured_markdown(stage_name: str) -> str:
         if any(r["fla"] is not None for r in rows):
             cols, heads = cols + ["fla"], heads + ["FLA forward ms"]
         if any(r["fk"] is not None for r in rows):
-            _, path = results.newest_anchor()
-            cols, heads = cols + ["fk"], heads + [f"FlashKDA ms ({path.name})"]
+            cols, heads = cols + ["fk"], heads + [fk_head.replace("FlashKDA", "FlashKDA ms", 1)]
         what = "wall time" if sub == "cpu" else "GPU time by CUDA-graph replay where a call is short, else eager"
         out.append(f"Latency ({what}; {results.label(data['meta'])}):\n")
         out.append(md_table(rows, cols, heads))

@@ -78,15 +78,42 @@ def newest_anchor():
 
 
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
+FLASHKDA = "FlashKDA"  # the stage name of FlashKDA's rows in a benchmark (bench_stage("flashkda"))
+FLASHKDA_MEASURED = "FlashKDA (measured)"  # measured live beside the stages (results/h200/tc_stages.json)
 
 
-def anchor_rows(fla_measured_at=frozenset()):
+def flashkda_anchor_label(path) -> str:
+    """The label of FlashKDA's figures taken from an anchor file."""
+    return f"FlashKDA (anchor {Path(path).stem})"
+
+
+def measured_flashkda_rows(data=None) -> list[dict]:
+    """FlashKDA's rows measured live beside the stages: the rows of stage
+    "FlashKDA" with a time in results/h200/tc_stages.json (or in ``data``, a
+    results file's content), labelled "FlashKDA (measured)" and carrying the
+    file's device, date and commit."""
+    if data is None:
+        data = recorded("tc_stages")
+    meta = (data or {}).get("meta", {})
+    out = []
+    for r in (data or {}).get("rows", []):
+        if r.get("stage") == FLASHKDA and (r.get("fwd_graph_ms") is not None or r.get("fwd_ms") is not None):
+            out.append(dict(r, stage=FLASHKDA_MEASURED, measured_on=meta.get("device"), date=meta.get("date"),
+                            commit=meta.get("commit")))
+    return out
+
+
+def anchor_rows(fla_measured_at=frozenset(), flashkda_measured_at=None):
     """FLA / FlashKDA figures of the newest anchor file (results/anchors/,
     measured on the same H200 beside the stages), as rows like the benchmark's.
     FLA's anchor is left out at the shapes (bench.shape_label) where FLA itself
-    was measured by this project."""
+    was measured by this project, FlashKDA's at the shapes in
+    ``flashkda_measured_at`` (default: those of :func:`measured_flashkda_rows`).
+    FlashKDA's rows are labelled "FlashKDA (anchor <file>)"."""
     from .bench import shape_label
 
+    if flashkda_measured_at is None:
+        flashkda_measured_at = {shape_label(r) for r in measured_flashkda_rows()}
     data, path = newest_anchor()
     rows = []
     for r in (data or {}).get("rows", []):
@@ -94,10 +121,21 @@ def anchor_rows(fla_measured_at=frozenset()):
         fla, fk = r.get("fla_ms", r.get("fla_safe_graph_ms")), r.get("flashkda_ms", r.get("flashkda_graph_ms"))
         if fla is not None and shape_label(shape) not in fla_measured_at:
             rows.append(dict(stage=FLA_TC + " (anchor)", **shape, fwd_graph_ms=fla, anchor=path.name))
-        if fk is not None:
-            rows.append(dict(stage="FlashKDA (anchor)", **shape, fwd_graph_ms=fk, anchor=path.name,
+        if fk is not None and shape_label(shape) not in flashkda_measured_at:
+            rows.append(dict(stage=flashkda_anchor_label(path), **shape, fwd_graph_ms=fk, anchor=path.name,
                              peak_mb=r.get("flashkda_peak_mb")))
     return rows
+
+
+def flashkda_rows(measured=None) -> list[dict]:
+    """FlashKDA at every shape it has figures for: measured live beside the
+    stages where results/h200/tc_stages.json has it (``measured``: such rows
+    instead), else the newest anchor's."""
+    from .bench import shape_label
+
+    measured = measured_flashkda_rows() if measured is None else list(measured)
+    at = {shape_label(r) for r in measured}
+    return measured + [r for r in anchor_rows(flashkda_measured_at=at) if r["stage"].startswith(FLASHKDA)]
 
 
 def label(meta: dict) -> str:

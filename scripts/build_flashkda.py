@@ -9,7 +9,9 @@ FlashKDA's code never enters this project: the script compiles the checkout's
 `csrc/` (its `flash_kda.cpp` and `smxx/fwd_launch.cu`) with the CUTLASS/CuTe
 headers of the nvidia-cutlass wheel (its own `cutlass` submodule is not needed)
 for sm_90a, the flags of its setup.py, into build/flashkda/, and prints where
-the module is. On the lent H200 (no network) carry only what the build needs,
+the module is. common.fla_ref finds it there (flashkda_available,
+use_flashkda_build), and `scripts/gpu_run.py --flashkda` runs this script
+first and measures FlashKDA beside the stages. On the lent H200 (no network) carry only what the build needs,
 in a folder your .git/info/exclude ignores: `csrc/` and `flash_kda/` of the
 checkout (about 200 KB), e.g. `.flashkda/`, named in the device call's carry.
 
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-    from common.build import BUILD_DIR, cutlass_include, setup_cuda_home
+    from common.build import cutlass_include, setup_cuda_home
+    from common.fla_ref import FLASHKDA_BUILD_DIR
 
     if setup_cuda_home() is None:
         print("build_flashkda: no CUDA toolkit (set CUDA_HOME)", file=sys.stderr)
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     os.environ["TORCH_CUDA_ARCH_LIST"] = ""  # the -gencode below decides
     from torch.utils import cpp_extension
 
-    build_dir = BUILD_DIR / "flashkda"
+    build_dir = FLASHKDA_BUILD_DIR  # where common.fla_ref.use_flashkda_build / flashkda_available look
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     print(f"[flashkda] building {src} (sm_{args.arch}) in {build_dir} ...", flush=True)
@@ -78,7 +81,9 @@ def main(argv=None) -> int:
         verbose=args.verbose,
     )
     print(f"[flashkda] built in {time.time() - t0:.0f} s: {mod.__file__}", flush=True)
-    print(f"[flashkda] import it with: sys.path.insert(0, {str(build_dir)!r}); import flash_kda_C", flush=True)
+    print(f"[flashkda] import it with: from common.fla_ref import use_flashkda_build; "
+          f"use_flashkda_build({str(src)!r})  # puts {str(build_dir)!r} (flash_kda_C) and the checkout "
+          f"(flash_kda) on sys.path; then: import flash_kda", flush=True)
     if not args.check:
         return 0
     import torch

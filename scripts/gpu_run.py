@@ -2,7 +2,7 @@
 record checks, profiles and latencies as JSON under $OUT; execute the notebooks
 as a reader would (nbval, with or without fla-core) and the tour.
 
-    python scripts/gpu_run.py --stages 05,06,07 [--phases build,tests,checks,...] [--fla]
+    python scripts/gpu_run.py --stages 05,06,07 [--phases build,tests,checks,...] [--fla] [--flashkda]
     python scripts/gpu_run.py --phases build,notebooks --notebooks 00,01,02
     python scripts/gpu_run.py --phases tour
     python scripts/gpu_run.py --stages 04,05,06 --phases build,launches,ablations
@@ -10,6 +10,12 @@ as a reader would (nbval, with or without fla-core) and the tour.
 On a machine kept warm between calls, `KDALAB_KEEP_BUILDS=1 bash scripts/gpu_run.sh ...`
 dates the sources back so that ninja reuses the last call's builds (only when
 the sources did not change between the calls).
+
+With --flashkda (or the phase flashkda), FlashKDA is first built from the
+checkout in $KDALAB_FLASHKDA_SRC (default .flashkda: its csrc/ and flash_kda/,
+carried) by scripts/build_flashkda.py --check, log in $OUT/flashkda_build.txt;
+the checks and bench-tc phases then measure it beside the stages (K = V = 128
+shapes only). A failed build is logged and the run goes on without it.
 
 Meant for the lent H200 (no network: extra wheels travel in .whl/ and are
 installed to /tmp/site by scripts/gpu_run.sh). Every step has its own timeout
@@ -120,7 +126,25 @@ def run_tour():
     shutil.rmtree(OUT / "tour")
 
 
-def record_checks(stages, fla=False):
+def build_flashkda() -> bool:
+    """Build FlashKDA from $KDALAB_FLASHKDA_SRC (default .flashkda) and check one
+    forward; on success put it on this process's path and on the subprocesses'
+    PYTHONPATH. False (logged) when it cannot be had: the run goes on without."""
+    src = os.environ.get("KDALAB_FLASHKDA_SRC") or ".flashkda"
+    rc = sh([sys.executable, "scripts/build_flashkda.py", "--src", src, "--check"], 300, "flashkda_build")
+    if rc != 0:
+        log(f"FlashKDA: build or check failed (rc={rc}, see flashkda_build.txt): going on without it")
+        return False
+    from common.fla_ref import flashkda_available, use_flashkda_build
+
+    dirs = use_flashkda_build(src)
+    os.environ["PYTHONPATH"] = os.pathsep.join(dirs + [os.environ.get("PYTHONPATH", "")])
+    ok, why = flashkda_available()
+    log(f"FlashKDA: {'importable' if ok else 'NOT importable: ' + why}")
+    return ok
+
+
+def record_checks(stages, fla=False, flashkda=False):
     import torch
 
     from common import checks
@@ -148,6 +172,17 @@ def record_checks(stages, fla=False):
             rows += checks.summarize_fla(frows)
             log(f"checks {spec.name} against FLA: " + ", ".join(
                 f"{r['case']} {r['output']} {r['err_fla']:.2e} (FLA vs fp64 {r['fla_err_ref']:.2e})" for r in frows))
+        save(OUT / "checks.json", rows, metadata(command="python scripts/gpu_run.py (checks)"))
+    if flashkda:  # FlashKDA's own errors against fp64, on the bf16 cases it takes (K = V = 128)
+        t0 = time.time()
+        try:
+            frows = [r for case in checks.flashkda_cases() for r in checks.check_flashkda(case)]
+        except Exception as e:  # keep what the stages measured
+            log(f"checks FlashKDA FAILED: {type(e).__name__}: {e}")
+        else:
+            rows += checks.summarize(frows)
+            log(f"checks FlashKDA vs fp64 ({time.time() - t0:.0f} s): " + ", ".join(
+                f"{r['case']} {r['output']} {r['err_ref']:.2e}" for r in frows))
         save(OUT / "checks.json", rows, metadata(command="python scripts/gpu_run.py (checks)"))
 
 
@@ -232,14 +267,37 @@ def sanitize(stages, ablations=False):
 
 
 PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-fla-fp32", "bench-tc")
-EXTRA_PHASES = ("notebooks", "notebooks-fla", "tour", "ablations", "launches")  # asked for by name only
+EXTRA_PHASES = ("flashkda", "notebooks", "notebooks-fla", "tour", "ablations", "launches")  # asked for by name only
+
+
+def gpu_stage_ids() -> list[str]:
+    """Every stage of common/stages.py STAGE_DIRS that exists and runs on a GPU."""
+    from common.stages import load_stage, stage_ids
+
+    return [s for s in stage_ids() if "cuda" in load_stage(s).SPEC.devices]
+
+
+def merge_flashkda(path, fk_path) -> None:
+    """Append FlashKDA's bench rows (fk_path) to the tensor-core file (path), so
+    that it sits beside the stages in one file."""
+    from common.results import load, save
+
+    fk = load(fk_path)
+    data = load(path) if Path(path).exists() else {"meta": fk["meta"], "rows": []}
+    rows = [r for r in data["rows"] if r.get("stage") != "FlashKDA"] + fk["rows"]
+    command = data["meta"].get("command", "").split("; FlashKDA: ")[0]
+    meta = dict(data["meta"], command=command + "; FlashKDA: " + fk["meta"].get("command", ""))
+    save(path, rows, meta)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--stages", default="02,03,04,05,06,07")
+    p.add_argument("--stages", default=None, help="comma-separated ids (default: every GPU stage of STAGE_DIRS)")
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--fla", action="store_true", help="include FLA chunk_kda in the benchmarks")
+    p.add_argument("--flashkda", action="store_true",
+                   help="build FlashKDA from $KDALAB_FLASHKDA_SRC (default .flashkda) first and include it in the "
+                        "checks and bench-tc phases (the phase flashkda does the same)")
     p.add_argument("--bench-timeout", type=int, default=420)
     p.add_argument("--pytest-k", default=None, help="pytest -k expression for the tests phase")
     p.add_argument("--shapes", default=None, help="bench only these rows of each sweep (kdalab bench --shapes)")
@@ -249,7 +307,7 @@ def main():
                    help="also build the ablation variants and run them under compute-sanitizer (the ablations "
                         "phase implies it)")
     args = p.parse_args()
-    stages = args.stages.split(",")
+    stages = args.stages.split(",") if args.stages else gpu_stage_ids()
     phases = args.phases.split(",")
     unknown = [x for x in phases if x not in PHASES + EXTRA_PHASES]
     if unknown:
@@ -264,23 +322,27 @@ def main():
     fp32 = [s for s in stages if load_stage(s).SPEC.compute_dtype == torch.float32]
     tc = [s for s in stages if s not in fp32]
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, stages {stages}, phases {phases}")
-    from common.stages import previous
+    from common.stages import previous, stage_ids
 
     to_build = sorted(set(stages) | {previous(s) for s in stages} - {None, "00"})
     if "notebooks" in phases or "notebooks-fla" in phases or "tour" in phases:
-        to_build = sorted(set(to_build) | {"01", "02", "03", "04", "05", "06", "07"})
+        to_build = sorted(set(to_build) | (set(stage_ids()) - {"00"}))  # every stage with a build
     with_ablations = args.ablations or "ablations" in phases
+    flashkda = False
+    if args.flashkda or "flashkda" in phases:  # early: checks and bench-tc take it when it builds
+        flashkda = build_flashkda()
     if "build" in phases and not build_all(to_build, ablations=with_ablations):
         log("BUILD FAILED: see build.txt")
         return 1
     if "tests" in phases:
         os.environ["KDALAB_STAGES"] = ",".join(stages)
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
-            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_profile_regions.py", "tests/test_contract.py"]
+            "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_stage08_paths.py", "tests/test_profile_regions.py", "tests/test_contract.py",
+            "tests/test_flashkda.py"]
            + (["-k", args.pytest_k] if args.pytest_k else []),
            900, "pytest")
     if "checks" in phases:
-        record_checks(stages, fla=args.fla)
+        record_checks(stages, fla=args.fla, flashkda=flashkda and bool(tc))
     if "profiles" in phases:
         record_profiles(stages)
     if "launches" in phases:
@@ -301,6 +363,18 @@ def main():
         sh([sys.executable, "-m", "common.cli", "bench", "--stages", ",".join(tc + fla), "--sweep", "tc-gpu",
             "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_stages.json"), "--budget", "0.5"]
            + shapes, args.bench_timeout, "bench")
+        if flashkda:  # in a second call, at the K = V = 128 shapes only, then merged into tc_stages.json
+            from common.bench import TC_GPU_SHAPES
+
+            idx = [i for i, s in enumerate(TC_GPU_SHAPES) if s["K"] == s["V"] == 128
+                   and (not args.shapes or str(i) in args.shapes.split(","))]
+            if idx:
+                rc = sh([sys.executable, "-m", "common.cli", "bench", "--stages", "flashkda", "--sweep", "tc-gpu",
+                         "--gate", "bounded", "--chunk", "16", "--out", str(OUT / "tc_flashkda.json"), "--budget",
+                         "0.5", "--shapes", ",".join(map(str, idx))], args.bench_timeout, "bench")
+                if (OUT / "tc_flashkda.json").exists():
+                    merge_flashkda(OUT / "tc_stages.json", OUT / "tc_flashkda.json")
+                    log(f"bench FlashKDA: rc={rc}, rows merged into tc_stages.json")
     nbs = [n for n in args.notebooks.split(",") if n]
     if "notebooks" in phases:  # without fla-core on the path (gpu_run.sh keeps it apart in /tmp/site_fla)
         run_notebooks(nbs, "no_fla")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (device tool): install carried wheels, then run scripts/gpu_run.py.
 #   bash scripts/gpu_run.sh --stages 02,03,04 --fla
+#   bash scripts/gpu_run.sh --stages 05,06,07 --fla --flashkda   # FlashKDA built from .flashkda/ (carried) first
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export OUT=${OUT:-/tmp/kdalab-out}
