@@ -24,6 +24,15 @@ def test_path_names_are_checked_before_anything_runs():
             pass
 
 
+def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch):
+    from common.inputs import make_inputs
+
+    monkeypatch.setattr(S08, "_PINNED", "fused8")
+    kw = make_inputs(1, 20, 1, 64, 64, dtype=torch.bfloat16, gate="bounded", lower_bound=-5.0, chunk_size=16)
+    with pytest.raises(ValueError, match="pinned path 'fused8'.*needs V >= 128, got V = 64"):
+        S08.forward(**kw)  # on the CPU: it must fail before any build or device check
+
+
 gpu = pytest.mark.gpu
 
 
@@ -33,11 +42,12 @@ gpu = pytest.mark.gpu
 def test_every_path_is_correct_and_equal_to_stage07(name, case):
     if name == "fused8" and case.V < 128:
         pytest.skip("fused8 needs V = 128 (test_fused8_refuses_v64)")
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
     with S08.path(name):
-        rows = checks.check_case(S08, case, device="cuda")
-        kernels = {x["kernel"] for x in S08.build().launches()}
-        inp = checks.case_inputs(case, "cpu", torch.bfloat16)
         got = checks.run(S08.forward, inp, "cuda", backward=False)
+        # read right after the call: the check below runs stage 07 too, whose launches may replace the log
+        kernels = {x["kernel"] for x in S08.build().launches()}
+        rows = checks.check_case(S08, case, device="cuda")
     assert kernels == ({"kda_fused_kernel"} if name.startswith("fused") else
                        {"kda_prepare_kernel", "kda_recurrence_kernel"}), kernels
     bad = [r for r in rows if not r["ok"]]
@@ -55,7 +65,7 @@ def test_every_path_is_correct_and_equal_to_stage07(name, case):
 def test_fused8_refuses_v64():
     case = PATH_CASES[1]
     inp = checks.case_inputs(case, "cuda", torch.bfloat16)
-    with S08.path("fused8"), pytest.raises(RuntimeError, match="pinned path"):
+    with S08.path("fused8"), pytest.raises(ValueError, match="pinned path 'fused8'.*needs V >= 128"):
         S08.forward(**inp)
 
 

@@ -77,6 +77,12 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   TORCH_CHECK(B * H * NT <= INT_MAX, "B * H * ceil(T / 16) too large: ", B * H * NT);
   TORCH_CHECK(B * H * (V / kVCols) <= INT_MAX, "B * H * V / 16 too large: ", B * H * (V / kVCols));
 
+  // the path pinned by set_path must exist for these sizes (stage.py checks it first)
+  TORCH_CHECK(g_want_fused != 1 || g_want_ncw * kVCols <= V, "the pinned path (set_path) has ", g_want_ncw,
+              " compute warps of 16 value columns: it needs V >= ", g_want_ncw * kVCols, ", got V = ", V);
+  TORCH_CHECK(g_want_fused != 0 || g_want_ncw <= 2, "the pinned split path (set_path) has 1 or 2 compute warps, got ",
+              g_want_ncw);
+
   // ---- tensors ----
   check_tensor(q, "q", q, torch::kBFloat16);
   check_tensor(k, "k", q, torch::kBFloat16);
@@ -128,10 +134,6 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.h0 = present(h0) ? h0->data_ptr<float>() : nullptr;
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
-  TORCH_CHECK(g_want_fused != 1 || g_want_ncw * kVCols <= V, "the pinned path (set_path) has ", g_want_ncw,
-              " compute warps of 16 value columns: it needs V >= ", g_want_ncw * kVCols, ", got V = ", V);
-  TORCH_CHECK(g_want_fused != 0 || g_want_ncw <= 2, "the pinned split path (set_path) has 1 or 2 compute warps, got ",
-              g_want_ncw);
   KdaPlan plan{};
   kda_check(kda_fwd_plan(p, g_want_fused, g_want_ncw, &plan), "kda forward plan");
 

@@ -70,6 +70,7 @@ def build(profile=False, verbose=False, ablation=None):
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
     """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
+    _check_pinned(v)
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
@@ -80,6 +81,7 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
             backward=False):
     """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
+    _check_pinned(v)
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
@@ -99,15 +101,29 @@ def path(name=None):
     the sizes of a call raises at that call."""
     if name is not None and name not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)} or None, got {name!r}")
+    global _PINNED
     exts = (build(), build(profile=True))  # the timed build and the profile build each hold their own pin
     fused, ncw = PATHS[name] if name is not None else (-1, 0)
     for ext in exts:
         ext.set_path(fused, ncw)
+    _PINNED = name
     try:
         yield
     finally:
+        _PINNED = None
         for ext in exts:
             ext.set_path(-1, 0)
+
+
+_PINNED = None  # the path pinned by ``path``, checked against the sizes of each call
+
+
+def _check_pinned(v):
+    """A pinned path whose compute warps need more value columns than V has is
+    refused here, before the extension is called."""
+    if _PINNED is not None and 16 * PATHS[_PINNED][1] > v.shape[-1]:
+        raise ValueError(f"the pinned path {_PINNED!r} has {PATHS[_PINNED][1]} compute warps of 16 value columns: "
+                         f"it needs V >= {16 * PATHS[_PINNED][1]}, got V = {v.shape[-1]}")
 
 
 def frag_check(A, X):
