@@ -20,7 +20,7 @@ from .contract import prepare
 from .fla_ref import (FLASHKDA_NAME, fla_available, fla_forward, flashkda_available, flashkda_call,
                       flashkda_unsupported)
 from .inputs import make_cotangents, make_inputs
-from .stages import load_stage
+from .stages import load_stage, previous
 from .timing import time_call
 
 # The sweeps of the issues, in one place.
@@ -242,4 +242,96 @@ def sweep(stage_ids, shapes, *, progress=None, on_row=None, bar: bool = False, *
                 torch.cuda.empty_cache()
             if on_row is not None:
                 on_row(rows)
+    return rows
+
+
+def peak_mb(fn) -> float:
+    """max_memory_allocated above what is allocated before one call of ``fn``
+    (on the GPU), in MB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 1e6
+
+
+def _gpu_rel_err(x, ref) -> float:
+    """common.metrics.rel_err computed where the tensors are (fp64 on the GPU:
+    no copy of a 0.5 GB output to the host); NaN or inf gives inf."""
+    import math
+
+    d = (x.double() - ref.double()).norm() / ref.double().norm()
+    v = float(d.item())
+    return v if math.isfinite(v) and bool(torch.isfinite(x).all()) else math.inf
+
+
+def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = True, profile: bool = False,
+              on_row=None) -> list[dict]:
+    """A stage with several paths (its ``PATHS``, pinned one at a time by
+    ``stage.path``; stage 08) at one shape on the GPU, beside the previous
+    stage and FlashKDA, on the same inputs (bf16, bounded gate, chunk 16):
+    the previous stage, the stage's rule, every path that exists for V, and
+    FlashKDA when ``flashkda`` and it is built here (K = V = 128 only).
+
+    One row each (the schema of results/h200/stage08/): stage (the id, or
+    "FlashKDA"), path ("rule" where none is pinned), the shape, fwd_* times
+    (eager and CUDA-graph replay, see _timed), peak_mb (:func:`peak_mb` of one
+    call), and for the stages equal_to_<prev> (o and the final state bitwise
+    equal to the previous stage's), err_vs_<prev> (the larger relative
+    difference of the two), kernels (what the call launched); for FlashKDA
+    o_vs_<prev>. ``profile``: the clock64 regions of each of the stage's rows
+    too. A path that fails records its error. ``on_row(row)`` after each row."""
+    from contextlib import nullcontext
+
+    from .fla_ref import flashkda_forward
+
+    stage = load_stage(stage_id)
+    pid = previous(stage_id)
+    prev = load_stage(pid)
+    kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
+                     device="cuda", gate="bounded", lower_bound=-5.0, chunk_size=16)
+    with torch.no_grad():
+        o_ref, S_ref = prev.forward(**kw)
+    paths = [None] + [n for n, (_, ncw) in stage.PATHS.items() if 16 * ncw <= shape["V"]]
+    cands = [(pid, None, prev.forward)] + [(stage.SPEC.id, n, stage.forward) for n in paths]
+    if flashkda and flashkda_available()[0] and flashkda_unsupported(shape["K"], shape["V"]) is None:
+        cands.append((FLASHKDA_NAME, None, flashkda_forward))
+    rows = []
+    for who, name, fwd in cands:
+        row = dict(stage=who, path=name or "rule", **shape)
+        try:
+            with (stage.path(name) if who == stage.SPEC.id else nullcontext()):
+                def f():
+                    with torch.no_grad():
+                        return fwd(**kw)
+                o, S = f()
+                if who == stage.SPEC.id:  # read right after the call: a later call replaces the launch log
+                    row["kernels"] = [x["kernel"] for x in stage.build().launches()]
+                if who != FLASHKDA_NAME:
+                    equal = bool(torch.equal(o, o_ref) and torch.equal(S, S_ref))
+                    row[f"equal_to_{pid}"] = equal
+                    row[f"err_vs_{pid}"] = 0.0 if equal else max(_gpu_rel_err(o, o_ref), _gpu_rel_err(S, S_ref))
+                else:
+                    row[f"o_vs_{pid}"] = _gpu_rel_err(o, o_ref)
+                del o, S
+                if who == FLASHKDA_NAME:  # its own call as a model makes it: states in its layout, no transposes
+                    call = flashkda_call(**kw)
+                    t = _timed(call, "cuda", budget_s, True)
+                    del call
+                    row["peak_mb"] = round(peak_mb(lambda: flashkda_call(**kw)()), 1)
+                else:
+                    t = _timed(f, "cuda", budget_s, True)
+                    row["peak_mb"] = round(peak_mb(f), 1)
+                row.update({"fwd_" + k: v for k, v in t.items()})
+                if profile and who == stage.SPEC.id:
+                    row["profile"] = stage.profile(**kw)
+        except Exception as e:  # noqa: BLE001 -- a path that does not run at this shape: record why
+            row["error"] = str(e).splitlines()[0][:300]
+        torch.cuda.empty_cache()
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows

@@ -14,6 +14,7 @@ Every function that draws is marked with :func:`figure`; the notebook tests
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -21,14 +22,15 @@ import pandas as pd
 import torch
 
 from . import bench, checks, results
-from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, anchor_rows
+from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, PATHS_RECORDED, anchor_rows
 from .bench import progress_bar
 from .build import resource_usage
 from .fla_ref import fla_available, flashkda_available, flashkda_unsupported
 from .paths import STAGES_DIR
-from .plotting import plot_ablation, plot_bars, plot_latency, plot_profile, split_bars
+from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeline, plot_latency, plot_paths,
+                       plot_profile, split_bars)
 from .report import PROFILE_SHAPE
-from .stages import STAGE_DIRS, load_stage, previous
+from .stages import STAGE_DIRS, load_stage, normalize, previous
 
 FIGURES: set = set()  # names of the functions below that draw a figure
 
@@ -552,3 +554,281 @@ def ablation_plot(stage_id):
     return plot_ablation(ablation.bought(rows), ms, unit=spec.region_unit,
                          title=f"Stage {spec.id}: what each idea bought, {bench.shape_label(full)} "
                                f"(recorded, {meta.get('device', 'H200')})")
+
+
+# ---- a stage with several paths (stage 08): every path side by side ----------
+
+FUSED_KERNELS = {"kda_fused_kernel"}  # what a fused path launches; a split path launches K1 + K2
+SPLIT_KERNELS = {"kda_prepare_kernel", "kda_recurrence_kernel"}
+FUSED_VS_PREVIOUS = 1e-3  # a fused path against the previous stage (tests/test_stage08_paths.py): only the
+                          # decay factors' ex2.approx differ, and now and then a bf16 output rounds the other way
+
+_PATHS: dict = {}  # stage id -> (rows, notes, recorded meta): measured once per notebook session
+
+
+def path_problems(row: dict, prev_id: str = "07") -> list[str]:
+    """What is wrong with one row of a paths measurement (common.bench.path_rows,
+    or its recorded file), against what stage 08 promises: the row ran and was
+    timed; a row of the stage launched either K1 + K2 or the fused kernel alone
+    (a pinned path: the one its name says), a split launch gives the previous
+    stage's outputs bitwise, a fused one stays within FUSED_VS_PREVIOUS of them
+    (where the difference was measured), and its peak memory was measured.
+    Rows of the previous stage and of FlashKDA only need a time."""
+    if row.get("error"):
+        return [f"failed: {row['error']}"]
+    out = []
+    ms = bench.best_ms(row)
+    if ms is None or not (math.isfinite(ms) and ms > 0):
+        out.append(f"no valid time ({ms})")
+    if row.get("stage") in (prev_id, FLASHKDA):
+        return out
+    kernels = set(row.get("kernels") or ())
+    path = row.get("path", "rule")
+    want = FUSED_KERNELS if path.startswith("fused") else SPLIT_KERNELS if path.startswith("split") else None
+    if want is not None and kernels != want:
+        out.append(f"path {path} launched {sorted(kernels)}, not {sorted(want)}")
+    elif kernels not in (FUSED_KERNELS, SPLIT_KERNELS):
+        out.append(f"launched {sorted(kernels)}: neither K1 + K2 nor the fused kernel")
+    if kernels == SPLIT_KERNELS and row.get(f"equal_to_{prev_id}") is not True:
+        out.append(f"a split launch not bitwise equal to stage {prev_id}")
+    err = row.get(f"err_vs_{prev_id}")
+    if kernels == FUSED_KERNELS and err is not None and not err <= FUSED_VS_PREVIOUS:
+        out.append(f"{err:.1e} from stage {prev_id} (more than {FUSED_VS_PREVIOUS:g})")
+    if row.get("peak_mb") is None or not row["peak_mb"] >= 0:
+        out.append("no peak memory")
+    return out
+
+
+def _shape_of(r: dict) -> dict:
+    return {k: r[k] for k in "BTHKV"}
+
+
+def _paths(stage_id, budget_s: float = LIVE_BUDGET_S):
+    """Every path of a stage at the shapes of its recorded paths file: live on a
+    GPU (common.bench.path_rows, the shapes that fit ``budget_s`` as predicted
+    from the recorded times, in the file's order), recorded for the rest.
+    Returns (rows, each with where = "live" or "recorded"; notes; the
+    recorded file's meta). Measured once per notebook session."""
+    sid = normalize(stage_id)
+    if sid in _PATHS:
+        return _PATHS[sid]
+    meta, rec = _recorded(PATHS_RECORDED[sid]["table"]) if sid in PATHS_RECORDED else (None, [])
+    spec = load_stage(sid).SPEC
+    ok, why = spec.runnable_here()
+    shapes = list({bench.shape_label(r): _shape_of(r) for r in rec}.values()) or list(bench.TC_GPU_SHAPES)
+    rows, notes = [], []
+    if not ok:
+        rows = [dict(r, where="recorded") for r in rec]
+        notes.append(f"{spec.name} and its paths: recorded ({why})" if rec else f"{spec.name}: no figures ({why})")
+    else:
+        live, skipped, need, rest = [], [], 0.0, 0.0
+        for shape in shapes:
+            mine = [r for r in rec if bench.shape_label(r) == bench.shape_label(shape)]
+            s = sum(bench.predicted_s(r) or 1.0 for r in mine) if mine else 0.0
+            if need + s <= budget_s:
+                live.append(shape)
+                need += s
+            else:
+                skipped.append(shape)
+                rest += s
+        print(f"timing every path of {spec.name} live at {len(live)} of {len(shapes)} shapes"
+              + (f" (about {need:.0f} s)" if need else "") + " ...", flush=True)
+        for shape in progress_bar(live, f"paths of {spec.name}", "shape"):
+            rows += [dict(r, where="live") for r in bench.path_rows(sid, shape, budget_s=0.3)]
+        labels = {bench.shape_label(s) for s in skipped}
+        rows += [dict(r, where="recorded") for r in rec if bench.shape_label(r) in labels]
+        if skipped:
+            notes.append(f"{len(skipped)} shape(s) recorded, not timed live (about {rest:.0f} s more than the "
+                         f"{budget_s:.0f} s budget of this table)")
+    _PATHS[sid] = (rows, notes, meta)
+    return _PATHS[sid]
+
+
+def _say_paths(stage_id):
+    rows, notes, meta = _paths(stage_id)
+    for n in notes:
+        print(n)
+    if meta is not None and any(r["where"] == "recorded" for r in rows):
+        print("recorded: " + results.label(meta))
+    return rows
+
+
+def paths_table(stage_id="08") -> pd.DataFrame:
+    """Every path of the stage per shape (its rule and each path that
+    ``stage.path`` can pin), beside the previous stage and FlashKDA measured in
+    the same call: GPU time (graph replay), the ratios to both, peak memory,
+    whether the outputs are bitwise the previous stage's, and the checks of
+    :func:`path_problems`. Live on a GPU (within a 30-second budget), else the
+    recorded file (results/h200/stage08/)."""
+    sid = normalize(stage_id)
+    rows = _say_paths(sid)
+    pid = previous(sid)
+    order = ["rule"] + list(getattr(load_stage(sid), "PATHS", {}))
+    out, bad = [], []
+    for lab in dict.fromkeys(bench.shape_label(r) for r in rows):
+        at = [r for r in rows if bench.shape_label(r) == lab]
+        ref = next((r for r in at if r["stage"] == pid), {})
+        fk = next((r for r in at if r["stage"] == FLASHKDA), {})
+        bad += [f"{lab} {r['stage']} {r['path']}: {'; '.join(p)}" for r in at if (p := path_problems(r, pid))]
+        for r in sorted((r for r in at if r["stage"] == sid), key=lambda r: order.index(r["path"])):
+            ms, ms_ref, ms_fk = bench.best_ms(r), bench.best_ms(ref), bench.best_ms(fk)
+            problems = path_problems(r, pid)
+            out.append({"shape": lab, "path": r["path"], "GPU ms": ms, f"{pid} ms": ms_ref, "FlashKDA ms": ms_fk,
+                        f"time / {pid}": ms / ms_ref if ms and ms_ref else None,
+                        "time / FlashKDA": ms / ms_fk if ms and ms_fk else None,
+                        "peak MB": r.get("peak_mb"), "FlashKDA peak MB": fk.get("peak_mb"),
+                        f"bitwise = {pid}": r.get(f"equal_to_{pid}"),
+                        "check": "ok" if not problems else "FAILED: " + "; ".join(problems), "where": r["where"]})
+    print(f"path checks: {len(rows) - len(bad)} of {len(rows)} rows as expected" if not bad else
+          f"path checks: {len(bad)} of {len(rows)} rows FAILED:\n  " + "\n  ".join(bad))
+    if not out:
+        return pd.DataFrame()
+    df = pd.DataFrame(out).set_index(["shape", "path"])
+    sig = {"GPU ms": 4, f"{pid} ms": 4, "FlashKDA ms": 4, f"time / {pid}": 3, "time / FlashKDA": 3}
+    for col, n in sig.items():
+        df[col] = df[col].map(lambda v: None if v is None or v != v else float(f"{v:.{n}g}"))
+    return df
+
+
+@figure
+def paths_plot(stage_id="08"):
+    """The figure of :func:`paths_table`: per shape, the GPU time of the
+    previous stage, the rule, every path and FlashKDA, coloured against the
+    previous stage, and the peak memory of the split path (the previous
+    stage's and the rule's), the fused path and FlashKDA. Live rows and
+    recorded ones are told apart in the row labels when both are shown."""
+    sid = normalize(stage_id)
+    rows = _say_paths(sid)
+    if not rows:
+        return None
+    pid = previous(sid)
+    paths = list(getattr(load_stage(sid), "PATHS", {}))
+    cells = {}
+    for r in rows:
+        if r.get("error") or bench.best_ms(r) is None:
+            continue
+        col = pid if r["stage"] == pid else FLASHKDA if r["stage"] == FLASHKDA else r["path"]
+        cells[(bench.shape_label(r), col)] = dict(ms=bench.best_ms(r), peak_mb=r.get("peak_mb"))
+    shapes = list(dict.fromkeys(bench.shape_label(r) for r in rows))
+    for sh in shapes:  # every fused width allocates the same (no workspace): the first one measured stands for all
+        fused = next((cells[(sh, p)] for p in paths if p.startswith("fused") and (sh, p) in cells), None)
+        if fused is not None:
+            cells[(sh, "fused")] = fused
+    where = {bench.shape_label(r): r["where"] for r in rows}
+    mixed = len(set(where.values())) > 1
+    labels = [s + (f" ({where[s]})" if mixed else "") for s in shapes]
+    mem = [(f"split ({pid}, rule)", "rule"), ("fused (any width)", "fused"), (FLASHKDA, FLASHKDA)]
+    meta = _paths(sid)[2] or {}
+    if mixed:
+        src = "live and recorded rows"
+    elif where[shapes[0]] == "live":
+        src = "measured live"
+    else:
+        src = f"recorded on {meta.get('device')}, {str(meta.get('date'))[:10]}, commit {meta.get('commit')}"
+    return plot_paths(cells, shapes=shapes, columns=[pid, "rule"] + paths + [FLASHKDA], ref=pid,
+                      mem_columns=mem, row_labels=labels,
+                      title=f"Stage {sid}'s paths beside stage {pid} and FlashKDA ({src})")
+
+
+# What each region of the fused kernel's profile times (kda.cu, the banner of
+# kda_fused_kernel: the prepare warps reuse K1's region ids for K1's phases and
+# the load warp's for the rest), in the order a chunk goes through them.
+FUSED_PREPARE = {
+    "K2 producer: issue loads (+ stage rows, fused)": "stage rows + next chunk's loads",
+    "K1: load+pre-stage": "decay",
+    "K1: L/Aqk products": "L, Aqk",
+    "K1: inverse": "inverse",
+    "K1: w/u + store": "w, u",
+    "K2 producer: wait (free slot, barrier)": "barrier, free slot",
+}
+FUSED_COMPUTE_WAIT = "K2: wait for operands"
+
+
+def chunk_profile(prof: dict, T: int, chunk: int = 16) -> dict:
+    """A profile of the fused kernel (region -> clock64 cycles per block, mean
+    over blocks) per chunk: {"prepare warps": {region: cycles / NT},
+    "compute warps": {...}} with NT = ceil(T / chunk), the regions in the order
+    a chunk goes through them. The two groups time the same block side by side,
+    so their totals must agree (within 5%); otherwise this is not one fused
+    block's profile (a split path's, or a region missing): ValueError."""
+    if T < 1:
+        raise ValueError(f"T must be positive, got {T}")
+    nt = -(-T // chunk)
+    prep = {r: prof[r] / nt for r in FUSED_PREPARE if r in prof}
+    comp = {FUSED_COMPUTE_WAIT: prof.get(FUSED_COMPUTE_WAIT, 0.0) / nt}
+    comp.update({r: v / nt for r, v in prof.items() if r.startswith("K2:") and r != FUSED_COMPUTE_WAIT})
+    missing = [r for r in list(FUSED_PREPARE) + [FUSED_COMPUTE_WAIT] if r not in prof]
+    if missing:
+        raise ValueError(f"not a profile of the fused kernel: no {', '.join(missing)}")
+    a, b = sum(prep.values()), sum(comp.values())
+    if not (a > 0 and b > 0) or abs(a - b) > 0.05 * max(a, b):
+        raise ValueError(f"the prepare warps ({a:.3g} cycles per chunk) and the compute warps ({b:.3g}) of one "
+                         "fused block must span the same time: not one fused block's profile")
+    return {"prepare warps": prep, "compute warps": comp}
+
+
+def chunk_totals(groups: dict) -> dict:
+    """Totals of :func:`chunk_profile`, cycles per chunk: the prepare warps,
+    the compute warps, their wait for operands and the chain (the rest)."""
+    prep, comp = sum(groups["prepare warps"].values()), sum(groups["compute warps"].values())
+    wait = groups["compute warps"][FUSED_COMPUTE_WAIT]
+    return dict(prepare=prep, compute=comp, wait=wait, chain=comp - wait)
+
+
+def _fused_row(stage_id):
+    """(profile, shape, path, where) of the fused kernel: live on a GPU under
+    ``stage.path`` (the profile build), else the recorded row. The kernels the
+    call launched must be the fused kernel alone (ValueError otherwise)."""
+    sid = normalize(stage_id)
+    info = PATHS_RECORDED[sid]
+    stage = load_stage(sid)
+    path, shape = info["profile_path"], info["profile_shape"]
+    ok, why = stage.SPEC.runnable_here()
+    if ok:
+        from .inputs import make_inputs
+
+        print(f"profiling {stage.SPEC.name} ({path}) live at {bench.shape_label(shape)} ...", flush=True)
+        build(sid)
+        kw = make_inputs(**shape, seed=0, dtype=torch.bfloat16, device="cuda", gate="bounded", lower_bound=-5.0,
+                         chunk_size=16)
+        with stage.path(path):
+            prof = stage.profile(**kw)
+            kernels = [x["kernel"] for x in stage.build(profile=True).launches()]
+        row, where = dict(stage=sid, path=path, **shape, profile=prof, kernels=kernels), "live"
+    else:
+        meta, rec = _recorded(info["profile"])
+        hits = [r for r in rec if r.get("stage") == sid and r.get("path") == path
+                and bench.shape_label(r) == bench.shape_label(shape) and r.get("profile")]
+        if not hits:
+            print(f"no recorded profile of {path} at {bench.shape_label(shape)} ({why})")
+            return None
+        row, where = hits[-1], "recorded"
+        print(f"{stage.SPEC.name} ({path}): recorded ({why}) -- {results.label(meta)}")
+    if set(row.get("kernels") or ()) != FUSED_KERNELS:
+        raise ValueError(f"the profile of {path} launched {row.get('kernels')}, not the fused kernel alone")
+    return row, where
+
+
+@figure
+def fused_profile(stage_id="08"):
+    """Where a chunk's time goes in the fused kernel: the prepare warps'
+    regions against the compute warps' (their wait for operands, then the
+    chain of stage 07's recurrence), clock64 cycles per chunk on one axis
+    (:func:`chunk_profile`). Live on a GPU (the fused path pinned), else the
+    recorded profile (results/h200/stage08/)."""
+    got = _fused_row(stage_id)
+    if got is None:
+        return None
+    row, where = got
+    groups = chunk_profile(row["profile"], row["T"])
+    tot = chunk_totals(groups)
+    print(f"per chunk: prepare warps {tot['prepare']:.3g} cycles; compute warps {tot['compute']:.3g} "
+          f"(waiting for operands {tot['wait']:.3g}, the chain {tot['chain']:.3g})")
+    ncw = load_stage(stage_id).PATHS[row["path"]][1]
+    bars = {"4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
+    labels = dict(FUSED_PREPARE, **{FUSED_COMPUTE_WAIT: "waiting for the prepare warps"})
+    first = next(r for r in groups["compute warps"] if r != FUSED_COMPUTE_WAIT)
+    chain = format_total(tot["chain"], "cycles").replace(" cycles", "")
+    return plot_chunk_timeline(bars, labels=labels, brace=(f"{ncw} compute warps", first, f"stage 07's chain: {chain}"),
+                               title=f"The fused kernel ({row['path']}) per chunk, {bench.shape_label(row)} "
+                                     f"({'measured live' if where == 'live' else 'recorded on the H200'})")

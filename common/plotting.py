@@ -1,5 +1,6 @@
 """The plots of the notebooks and the tour: region profiles, latency curves,
-grouped bars and the fragment maps of stage 07.
+grouped bars, the fragment maps of stage 07, and stage 08's paths side by side
+and its fused kernel's timeline per chunk.
 
 - No backend is chosen here: a notebook's own (``%matplotlib inline``, VS Code,
   nbconvert, nbval) shows every figure, and the command line picks Agg itself.
@@ -53,7 +54,8 @@ def region_color(name: str):
     return REGION_COLORS.get(name) or _FALLBACK[zlib.crc32(name.encode()) % len(_FALLBACK)]
 
 
-_STAGE_COLORS = plt.get_cmap("tab10").colors
+# tab10 without its grey (index 7): grey is FLA's, and stage 07 beside FLA must be told apart
+_STAGE_COLORS = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
 
 
 def series_color(label: str):
@@ -312,4 +314,136 @@ def plot_fragments(ax=None):
         a.axhline(7.5, color="k", lw=1)  # the four 8x8 quadrants movmatrix works on
         a.axvline(7.5, color="k", lw=1)
     ax[0].figure.tight_layout()
+    return ax
+
+
+def _ratio_colors():
+    """The colour scale of a time or a memory against a reference: log2 of the
+    ratio, green below 1 (faster, smaller), red above, from 1/2 to 8."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    return plt.get_cmap("RdYlGn_r"), TwoSlopeNorm(vmin=-1.0, vcenter=0.0, vmax=3.0)
+
+
+def plot_paths(cells: dict, *, shapes, columns, ref: str, mem_columns, title: str = "", row_labels=None,
+               axes=None):
+    """A kernel's paths side by side, one row per shape: left, the time of
+    each column (a path, the previous stage, a reference) written in its cell
+    and coloured by its ratio to column ``ref`` at the same shape, the fastest
+    of a row in bold; right, the peak memory of ``mem_columns`` ([(heading,
+    column)]) coloured the same way against ``ref``'s. ``cells`` maps (shape,
+    column) to {"ms": ..., "peak_mb": ...}; a missing cell (a path that does
+    not exist for the shape) is left grey. ``row_labels`` replaces the shape
+    labels (e.g. to mark recorded rows)."""
+    import math
+
+    import numpy as np
+
+    cmap, norm = _ratio_colors()
+    cmap = cmap.with_extremes(bad="#eeeeee")
+    if axes is None:
+        fig, axes = plt.subplots(1, 2, figsize=(14.5, 1.7 + 0.5 * len(shapes)),
+                                 gridspec_kw={"width_ratios": [len(columns), len(mem_columns) + 0.5]})
+    ax, mx = axes
+
+    def value(sh, col, key):
+        return cells.get((sh, col), {}).get(key)
+
+    def grid(a, heads, key, bold=None):
+        """heads: [(heading, column)]; cells coloured by log2(value / ref's)."""
+        img = np.full((len(shapes), len(heads)), np.nan)
+        for i, sh in enumerate(shapes):
+            r = value(sh, ref, key)
+            for j, (_, col) in enumerate(heads):
+                v = value(sh, col, key)
+                if v is not None and r:
+                    img[i, j] = math.log2(v / r)
+        im = a.imshow(np.ma.masked_invalid(img), cmap=cmap, norm=norm, aspect="auto")
+        for i, sh in enumerate(shapes):
+            for j, (_, col) in enumerate(heads):
+                v = value(sh, col, key)
+                dark = False
+                if not np.isnan(img[i, j]):
+                    r, g, b, _ = cmap(norm(img[i, j]))
+                    dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.45
+                a.text(j, i, "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.3g}", ha="center",
+                       va="center", fontsize=8, color="white" if dark else "black",
+                       fontweight="bold" if bold is not None and bold.get(sh) == col else "normal")
+        a.set_xticks(range(len(heads)), [h for h, _ in heads], fontsize=8)
+        a.set_yticks(range(len(shapes)), row_labels or list(shapes), fontsize=8)
+        a.tick_params(top=True, labeltop=True, bottom=False, labelbottom=False)
+        a.set_xticks(np.arange(-0.5, len(heads)), minor=True)
+        a.set_yticks(np.arange(-0.5, len(shapes)), minor=True)
+        a.grid(which="minor", color="white", linewidth=2)
+        a.tick_params(which="minor", length=0)
+        return im
+
+    fastest = {}
+    for sh in shapes:
+        have = [(value(sh, c, "ms"), c) for c in columns if value(sh, c, "ms") is not None]
+        if have:
+            fastest[sh] = min(have)[1]
+    im = grid(ax, [(c, c) for c in columns], "ms", fastest)
+    ax.set_title((title + "\n" if title else "") + f"GPU ms per call (bold: the fastest of the row); "
+                 f"colour: time / {ref}'s", fontsize=10)
+    grid(mx, mem_columns, "peak_mb")
+    mx.set_yticklabels([])
+    mx.set_title(f"peak MB above the inputs, one call\ncolour: memory / {ref}'s", fontsize=10)
+    cb = ax.figure.colorbar(im, ax=list(axes), fraction=0.025, pad=0.02)
+    ticks = [-1, 0, 1, 2, 3]
+    cb.set_ticks(ticks, labels=[f"{2.0 ** t:g}x" for t in ticks])
+    cb.ax.tick_params(labelsize=8)
+    cb.set_label(f"against {ref} (log scale)", fontsize=8)
+    return ax
+
+
+def plot_chunk_timeline(bars: dict, *, labels: dict | None = None, title: str = "", ax=None,
+                        min_label: float = 0.04, unit: str = "cycles per chunk", brace=None):
+    """Stacked horizontal bars on one absolute axis: {bar: {region: value}},
+    each region in its colour, in the order given; segments wider than
+    ``min_label`` of the widest bar carry ``labels[region]`` (default: the
+    region's name after its colon), and their value too when wider than
+    2.5 times that; each bar's total at its right. ``brace``: (bar, first
+    region, text): a bracket above that bar from the start of that region to
+    the bar's end, with the text above it."""
+    labels = labels or {}
+    names = list(bars)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 2.6 + 0.85 * len(names)))
+    top = max(sum(v for v in b.values() if v > 0) for b in bars.values())
+    seen = {}
+    for y, name in enumerate(names):
+        left = 0.0
+        for region, v in bars[name].items():
+            if v <= 0:
+                continue
+            bar = ax.barh(y, v, left=left, color=region_color(region), edgecolor="white", linewidth=0.8, height=0.62)
+            seen.setdefault(region, bar)
+            if v >= min_label * top:
+                r, g, b, _ = to_rgba(region_color(region))
+                ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
+                text = labels.get(region, region.split(":", 1)[-1].strip())
+                if v >= 2.5 * min_label * top:
+                    text += "\n" + format_total(v, "cycles").replace(" cycles", "")
+                ax.text(left + v / 2, y, text, ha="center", va="center", fontsize=7, color=ink, clip_on=True)
+            left += v
+        ax.text(left + 0.01 * top, y, f"{format_total(left, 'cycles').replace(' cycles', '')} {unit}",
+                va="center", fontsize=8)
+    if brace is not None:
+        name, first, text = brace
+        y = names.index(name)
+        regions = list(bars[name])
+        x0 = sum(v for v in list(bars[name].values())[:regions.index(first)] if v > 0)
+        x1 = sum(v for v in bars[name].values() if v > 0)
+        yb = y - 0.36  # just above the bar (the y axis is inverted)
+        ax.plot([x0, x0, x1, x1], [yb + 0.04, yb, yb, yb + 0.04], color="black", lw=0.9)
+        ax.text((x0 + x1) / 2, yb - 0.03, text, ha="center", va="bottom", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, top * 1.22)
+    ax.set_xlabel(f"clock64 {unit} (mean over blocks)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3,
+              frameon=False)
+    ax.figure.tight_layout()
     return ax

@@ -7,7 +7,7 @@ shape, so that a column can be read down the ladder:
 
 - fp32 on the CPU (stages 00, 01): B1 T512 H2 K=V=32, softplus gate, chunk 64;
 - fp32 on the GPU (stages 02-04, FLA in fp32): B2 T2048 H4 K=V=64, softplus, chunk 64;
-- bf16 tensor cores (stages 05-07, FLA bf16, FlashKDA): B1 T1024 H64 K=V=128,
+- bf16 tensor cores (stages 05-08, FLA bf16, FlashKDA): B1 T1024 H64 K=V=128,
   bounded gate, chunk 16.
 
 A stage's errors are its own (against the fp64 reference, and against the
@@ -389,7 +389,8 @@ def _recorded_summary(stage_name: str, why: str, reg: str) -> dict:
     errors and its latency at the regime's shape."""
     err_ref, err_prev, prev = _recorded_errors(stage_name)
     row, meta = _recorded_latency(stage_name, reg)
-    where = f"recorded on {meta['device']}, {meta['date'][:10]}" if row else f"not run here ({why})"
+    # a row measured apart from the file's first run carries its own date ("run")
+    where = f"recorded on {meta['device']}, {(row.get('run') or meta['date'])[:10]}" if row else f"not run here ({why})"
     return dict(stage=stage_name, regime=reg, where=where, err_ref=err_ref, err_prev=err_prev, prev=prev,
                 fwd_ms=bench.best_ms(row) if row else None, bwd_ms=bench.best_ms(row, "bwd") if row else None)
 
@@ -545,6 +546,7 @@ def stage_measured_markdown(stage_name: str) -> str:
         what = "wall time" if sub == "cpu" else "GPU time by CUDA-graph replay where a call is short, else eager"
         out.append(f"Latency ({what}; {results.label(data['meta'])}):\n")
         out.append(md_table(rows, cols, heads))
+    out += paths_markdown(stage_name)
     data = results.recorded("profiles")
     prof = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name]
     if prof:
@@ -554,6 +556,44 @@ def stage_measured_markdown(stage_name: str) -> str:
     out += ablation_markdown(stage_name)
     out += diff_markdown(stage_name)
     return "\n".join(out) if out else "(no recorded figures yet)\n"
+
+
+def paths_markdown(stage_name: str) -> list[str]:
+    """A stage with several paths (results.PATHS_RECORDED): every path per
+    shape beside the previous stage and FlashKDA, measured in one call
+    (scripts/bench_paths.py): GPU time, and the peak memory of the split
+    path, the fused path and FlashKDA."""
+    sid = stage_name[:2]
+    info = results.PATHS_RECORDED.get(sid)
+    data = results.recorded(info["table"]) if info else None
+    if not data:
+        return []
+    pid = previous(sid)
+    rows = data["rows"]
+    paths = list(dict.fromkeys(r["path"] for r in rows if r["stage"] == sid))
+    cols = [pid] + paths + [results.FLASHKDA]
+    table = []
+    for lab in dict.fromkeys(bench.shape_label(r) for r in rows):
+        at = [r for r in rows if bench.shape_label(r) == lab and not r.get("error")]
+
+        def cell(stage, path=None, key=None):
+            hit = [r for r in at if r["stage"] == stage and (path is None or r["path"] == path)]
+            if not hit:
+                return None
+            return hit[0].get(key) if key else bench.best_ms(hit[0])
+
+        d = dict(shape=lab, **{c: cell(pid) if c == pid else cell(results.FLASHKDA) if c == results.FLASHKDA
+                               else cell(sid, c) for c in cols})
+        fused = [r.get("peak_mb") for r in at if r["stage"] == sid and r["path"].startswith("fused")]
+        d.update(mem_split=cell(sid, "rule", "peak_mb"), mem_fused=fused[0] if fused else None,
+                 mem_fk=cell(results.FLASHKDA, key="peak_mb"))
+        table.append(d)
+    heads = ["shape", f"{pid} ms"] + [f"{p} ms" for p in paths] + ["FlashKDA ms", "peak MB split", "peak MB fused",
+                                                                  "peak MB FlashKDA"]
+    return [f"Every path (`stage.path`), stage {pid} and FlashKDA measured in one call by `scripts/bench_paths.py` "
+            f"(GPU time by CUDA-graph replay; peak memory above the inputs during one call; "
+            f"`results/h200/{info['table']}.json`, {results.label(data['meta'])}):\n",
+            md_table(table, ["shape"] + cols + ["mem_split", "mem_fused", "mem_fk"], heads)]
 
 
 def ablations_overview_markdown() -> str:
@@ -675,6 +715,7 @@ def readme_block() -> str:
 
 
 README_FIGURES = {"ladder": "docs/ladder.png", "tensor-core shapes": "docs/tc_latency.png"}
+TC_LADDER = ["05", "06", "07", "08"]  # the tensor-core stages, in the README's figure and the summary notebook
 
 
 def write_figures(root) -> list:
@@ -685,7 +726,7 @@ def write_figures(root) -> list:
 
     from . import notebook
 
-    draw = {"ladder": notebook.ladder, "tensor-core shapes": lambda: notebook.tc_latency(["05", "06", "07"])}
+    draw = {"ladder": notebook.ladder, "tensor-core shapes": lambda: notebook.tc_latency(TC_LADDER)}
     out = []
     for key, fn in draw.items():
         ax, _ = fn()

@@ -77,6 +77,14 @@ def newest_anchor():
     return (load(files[-1]), files[-1]) if files else (None, None)
 
 
+# The recorded measurements of a stage's paths (scripts/bench_paths.py), by
+# stage id, as names for :func:`recorded`: "table", the file of the stage as
+# it is (its rule's commit); "profile", the file with clock64 regions per path
+# (the same kernels: only the rule differed), with the path and shape whose
+# timeline the stage's notebook shows (common.notebook.fused_profile).
+PATHS_RECORDED = {"08": dict(table="stage08/paths_b0c71db", profile="stage08/paths_4fde27a",
+                             profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128))}
+
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
 FLASHKDA = "FlashKDA"  # the stage name of FlashKDA's rows in a benchmark (bench_stage("flashkda"))
 FLASHKDA_MEASURED = "FlashKDA (measured)"  # measured live beside the stages (results/h200/tc_stages.json)
@@ -98,8 +106,8 @@ def measured_flashkda_rows(data=None) -> list[dict]:
     out = []
     for r in (data or {}).get("rows", []):
         if r.get("stage") == FLASHKDA and (r.get("fwd_graph_ms") is not None or r.get("fwd_ms") is not None):
-            out.append(dict(r, stage=FLASHKDA_MEASURED, measured_on=meta.get("device"), date=meta.get("date"),
-                            commit=meta.get("commit")))
+            out.append(dict(r, stage=FLASHKDA_MEASURED, measured_on=meta.get("device"),  # the row's own run first
+                            date=r.get("run") or meta.get("date"), commit=r.get("commit") or meta.get("commit")))
     return out
 
 

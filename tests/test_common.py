@@ -105,6 +105,17 @@ def test_every_stage_region_has_a_colour_of_its_phase_family():
     assert len(set(colors)) == len(colors)  # the regions of one stage are told apart
 
 
+def test_every_stage_and_reference_has_its_own_series_colour():
+    from common.stages import STAGE_DIRS
+
+    labels = list(STAGE_DIRS.values()) + ["FLA chunk_kda", "FlashKDA (measured)"]
+    colors = [tuple(round(x, 3) for x in plotting.to_rgba(plotting.series_color(n))) for n in labels]
+    assert len(set(colors)) == len(colors), dict(zip(labels, colors))
+    grey = [n for n, c in zip(labels[:-2], colors) if abs(c[0] - c[1]) < 0.05 and abs(c[1] - c[2]) < 0.05]
+    assert not grey, f"stages drawn grey like FLA: {grey}"
+    assert plotting.series_color("07_movm_register (B1 H64 K128)") == plotting.series_color("07_movm_register")
+
+
 def test_rel_err_rejects_nan_and_shape_mismatch():
     assert rel_err(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
     with pytest.raises(ValueError):

@@ -35,6 +35,14 @@ def test_committed_notebook_shows_every_figure(path):
     assert missing_figures(nb) == []
 
 
+def test_every_stage_has_a_notebook():
+    from common.stages import STAGE_DIRS, stage_ids
+
+    names = {p.stem for p in NOTEBOOKS}
+    assert [STAGE_DIRS[s] for s in stage_ids() if STAGE_DIRS[s] not in names] == []
+    assert "summary" in names
+
+
 def test_the_figure_check_itself():
     png = [{"output_type": "display_data", "data": {"image/png": "iVBOR...", "text/plain": "<Figure>"}}]
     text = [{"output_type": "stream", "name": "stdout", "text": "recorded on ..."}]

@@ -5,10 +5,13 @@ and the notebooks' markdown cells quote latencies, errors, cycle counts and
 speed-ups. Each such number with two or more significant digits must be what
 some recorded value rounds to:
 
-- "N ms" / "N s" and "N us": a latency of results/ (ms, or in seconds);
+- "N ms" / "N s" and "N us" (and "N against M ms"): a latency of results/ (ms, or in seconds);
 - "N.Ne-M" and "N.NeM": an error, a cycle count, or a sum of a profile's
-  regions per kernel (the "K2 compute timeline");
-- "N.Nx" and ranges "N-Mx": a ratio of two recorded latencies at the same shape.
+  regions per kernel (the "K2 compute timeline"), or the fused kernel's
+  timeline per chunk (common.notebook.chunk_profile: each region and the
+  totals of the prepare warps, the compute warps, their wait and the chain);
+- "N.Nx" and ranges "N-Mx": a ratio of two recorded latencies at the same shape;
+- "N MB" and "N against M MB": a recorded peak memory (a field ending in "_mb").
 
 A number that does not come from a results file (a constant of the method, a
 figure of the seed's H20, a derived estimate) is listed in ALLOWED with the
@@ -25,6 +28,7 @@ from itertools import combinations
 
 import pytest
 
+from common.notebook import FUSED_KERNELS, chunk_profile, chunk_totals
 from common.paths import REPO_ROOT, RESULTS_DIR
 from common.report import README_END, README_START
 
@@ -35,8 +39,10 @@ ALLOWED = {
         "0.02 ms": "the byte count at the measured copy rate (a derived estimate)",
         "0.06-0.13 ms": "an estimate of the chain's floor (1-2 us per chunk step x 64 chunks)",
         "0.69 GB": "the byte count of K1's workspace", "0.54 GB": "the byte count of the inputs",
-        "0.13 GB": "the byte count of o",
+        "0.13 GB": "the byte count of o", "16.8 MB": "the byte count of one bf16 input",
         "1.8e3 per": "the compute timeline divided by its 128 chunks",
+        "cycles per chunk": "a region's clock64 cycles (results/h200/stage08/) divided by the block's 64 chunks",
+        "3-5e3 cycles": "the prediction before stage 08 was built",
     },
     "stages/07_movm_register/README.md": {"1.8e3 per": "the compute timeline divided by its 128 chunks"},
     "stages/05_cute_bf16/README.md": {"5.5e34": "e^80, a constant", "3.4e38": "the largest bf16 value"},
@@ -74,8 +80,8 @@ def _walk(obj, key=""):
 
 
 def _pools():
-    """(latencies in ms, errors and cycle counts, latencies by shape) of every results file."""
-    ms, values, by_shape = set(), set(), {}
+    """(latencies in ms, errors and cycle counts, latencies by shape, peak memories in MB) of every results file."""
+    ms, values, by_shape, mb = set(), set(), {}, set()
     anchors = sorted((RESULTS_DIR / "anchors").glob("*.json"))
     for p in RESULTS_DIR.rglob("*.json"):
         if p in anchors[:-1]:  # the newest anchor is the reference; older ones are history
@@ -86,6 +92,8 @@ def _pools():
                 ms.add(v)
             elif k == "seconds":  # wall times of notebooks and the tour
                 ms.add(v * 1e3)
+            elif k.endswith("_mb"):  # peak memory of a call
+                mb.add(v)
             elif "err" in k or k in ("o", "S", "value"):
                 values.add(v)
         rows = data.get("rows", []) if isinstance(data, dict) else []
@@ -105,15 +113,23 @@ def _pools():
                         by_shape.setdefault((shape, "fwd"), set()).add(float(r[k]))
             if isinstance(r.get("profile"), dict):  # an ablation row: its region profile, cycles per block
                 values.update(float(v) for v in r["profile"].values() if v)
+                if set(r.get("kernels") or ()) == FUSED_KERNELS:  # a fused-kernel row: its timeline per chunk too
+                    try:
+                        groups = chunk_profile(r["profile"], r["T"])
+                    except ValueError:  # an early profile without the producer's regions
+                        groups = None
+                    if groups is not None:
+                        values.update(v for g in groups.values() for v in g.values())
+                        values.update(chunk_totals(groups).values())
             if "region" in r and "value" in r:  # the same region in two stages: a ratio the profile prose may quote
                 by_shape.setdefault(("region", r["region"]), set()).add(float(r["value"]))
         values.update(sums.values())
         for (stage, bar), v in sums.items():
             by_shape.setdefault(("bar", bar), set()).add(v)
-    return ms, values, by_shape
+    return ms, values, by_shape, mb
 
 
-MS, VALUES, BY_SHAPE = _pools()
+MS, VALUES, BY_SHAPE, MB = _pools()
 MS_POOL = MS | {v / 1e3 for v in MS}
 RATIOS = {a / b for vals in BY_SHAPE.values() for x, y in combinations(sorted(vals), 2) for a, b in ((x, y), (y, x))}
 
@@ -138,9 +154,10 @@ def _matches(text: str, pool) -> bool:
 
 NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
 PATTERNS = [  # (regex, pool, kind)
-    (re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to)\s*({NUM}))?\s*(ms|s|us|µs)\b"), "time"),
+    (re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to|against)\s*({NUM}))?\s*(ms|s|us|µs)\b"), "time"),
     (re.compile(r"(?<![\w.^])(\d+\.\d+e[+-]?\d+)(?:\s*(?:-|–|/)\s*(\d+\.\d+e[+-]?\d+))?"), "value"),
     (re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–)\s*({NUM}))?\s*x\b(?!\s*\d)"), "ratio"),
+    (re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to|against)\s*({NUM}))?\s*MB\b"), "memory"),
 ]
 
 
@@ -160,7 +177,7 @@ def _ok(path, line, quoted, number, kind) -> bool:
         return True
     if kind == "ratio" and re.search(r"predict|expect|should|at least|>=", line):  # a prediction, not a result
         return True
-    pool = {"time": MS_POOL, "value": VALUES, "ratio": RATIOS}[kind]
+    pool = {"time": MS_POOL, "value": VALUES, "ratio": RATIOS, "memory": MB}[kind]
     return _matches(number, pool)
 
 
@@ -175,6 +192,10 @@ def test_the_prose_check_catches_a_stale_figure():
     assert _matches("0.567", MS_POOL) and _matches("12.3", MS_POOL)  # stage 05's graph time, stage 02's 12.3 s
     assert not _matches("0.82", MS_POOL)  # stage 05's old eager figure at the seed shape
     assert not _matches("0.123456", MS_POOL)
+    assert _matches("872", MB) and _matches("168", MB)  # stage 08's split and fused paths at B=8 (peak_mb)
+    assert not _matches("871", MB)
+    assert _matches("1.08e4", VALUES) and _matches("2.69e3", VALUES)  # the fused kernel per chunk: prepare, chain
+    assert not _matches("2.5e3", VALUES)
 
 
 @pytest.mark.parametrize("doc", [d for d, _ in _docs()])

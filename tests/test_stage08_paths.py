@@ -80,3 +80,20 @@ def test_rule_picks_the_split_width_by_the_sm_count():
         S08.forward(**inp)
         k2 = [x for x in S08.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
         assert len(k2) == 1 and k2[0]["grid"] == H * 64 // (16 * ncw), (H, ncw, S08.build().launches())
+
+
+@gpu
+def test_path_rows_time_every_path_and_pass_the_notebook_checks():
+    """common.bench.path_rows (scripts/bench_paths.py and the notebook's live
+    table): stage 07, the rule and every path that exists for V, each checked
+    as the notebook checks it (common.notebook.path_problems)."""
+    from common import bench
+    from common.notebook import path_problems
+
+    rows = bench.path_rows("08", dict(B=1, T=100, H=3, K=64, V=64), budget_s=0.05, flashkda=False)
+    assert [(r["stage"], r["path"]) for r in rows] == [("07", "rule"), ("08", "rule")] + [
+        ("08", p) for p in S08.PATHS if p != "fused8"]  # 8 compute warps need V = 128
+    problems = {(r["stage"], r["path"]): path_problems(r) for r in rows}
+    assert not any(problems.values()), problems
+    assert all(r["equal_to_07"] for r in rows if r["path"] in ("rule", "split1", "split2"))
+    assert all(r["peak_mb"] > 0 and r["fwd_ms"] > 0 for r in rows)

@@ -26,11 +26,17 @@
 //     next stage_rows), so the stream of chunks does not stop for memory.
 //
 //   * The price: K1 prepared all chunks of all heads at once over every SM; in
-//     the fused kernel each block prepares its chunks one after the other, at
-//     the pace of the recurrence. That pays when the heads alone fill the SMs
-//     (B*H >= SMs); with few heads the stage keeps stage 07's split path.
-//     kda_fwd_plan picks the path (see kda.h); the binding allocates the
+//     the fused kernel each block prepares its chunks one after the other, and
+//     the recurrence can go no faster than that stream. Measured on the H200,
+//     the four prepare warps need several times the chain's cycles per chunk,
+//     so the fused kernel is slower than K1 + K2 at every benchmark shape and
+//     the stage's rule (kda_fwd_plan, see kda.h) keeps the split path; the
+//     fused kernel runs when pinned (stage.path). The binding allocates the
 //     workspace only for the split path.
+//
+//   * The split path's K2 is two compute warps wide as soon as those blocks
+//     cover the SMs once (stage 07 asked for twice), and K1 keeps each row's
+//     beta in its load register (see load_rows).
 //
 //   * The fused prepare computes e = exp(gc) and 1/e with ex2.approx (see
 //     decay_columns): the prepare is now on the critical path of every block.

@@ -1,7 +1,8 @@
 // kda.h -- parameters and launcher of the KDA chunked forward, stage 08:
 // stage 07 (BT = 16, bounded gate, bf16 tensor cores through CuTe, register-resident
-// recurrence) plus a fused path: when the heads fill the GPU, one kernel prepares
-// each chunk and runs the recurrence on it in the same block, with no workspace.
+// recurrence) plus a fused path: one kernel prepares each chunk and runs the
+// recurrence on it in the same block, with no workspace (measured slower than
+// K1 + K2 at every benchmark shape: it runs only when pinned).
 //
 // Plain C++/CUDA (no torch): binding.cpp fills the struct with device pointers
 // and calls the launcher, which returns the first CUDA error.

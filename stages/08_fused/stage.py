@@ -1,13 +1,15 @@
 """Stage 08: stage 07 plus a fused path, forward only.
 
-When the heads fill the GPU, one kernel does it all: in each block four
-prepare warps run K1's phases chunk after chunk into a shared-memory ring
-and the compute warps run stage 07's register-resident recurrence on it. The
-per-chunk workspace (about 1.3 KB per token and head, written once and read
-back by every column slice) disappears, and with it most of the memory
-traffic and the peak memory. With few heads the stage keeps stage 07's split
-path (K1 chunk-parallel over every SM, then K2). ``path`` pins one path for
-the benchmark and the tests; ``frag_check`` is stage 07's fragment identity.
+The fused path is one kernel: in each block four prepare warps run K1's
+phases chunk after chunk into a shared-memory ring and the compute warps run
+stage 07's register-resident recurrence on it. The per-chunk workspace (about
+1.3 KB per token and head, written once and read back by every column slice)
+disappears, and with it most of the peak memory. Measured on the H200 it is
+slower than the split path at every benchmark shape (its prepare warps cannot
+keep pace with the recurrence), so the stage's rule keeps stage 07's split
+path (K1 chunk-parallel over every SM, then K2), two compute warps per K2
+block once B*H*V/32 covers the SMs. ``path`` pins one path for the benchmark
+and the tests; ``frag_check`` is stage 07's fragment identity.
 """
 
 from pathlib import Path
@@ -25,8 +27,8 @@ SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
     name="08_fused",
-    title="stage 07 + a fused path: the prepare streams into the recurrence's block, no workspace "
-          "when the heads fill the GPU",
+    title="stage 07 + a fused path (the prepare streams into the recurrence's block, no workspace; slower, "
+          "so pinned only) and a measured K2 width rule",
     devices=("cuda",),
     gates=("bounded",),
     chunk_sizes=(16,),
