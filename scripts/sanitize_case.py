@@ -4,7 +4,7 @@ for compute-sanitizer:
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py 02
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py 06 no_load_warp
 
-A stage with several paths (stage 08's PATHS) runs each of them, pinned, as well.
+A stage with several paths (stage 08's PATHS) runs each of them, pinned, as well, at K = V = 64 and 128.
 """
 
 import sys
@@ -33,11 +33,15 @@ if spec.compute_dtype == torch.bfloat16:
     # B*H*V/32 fills the GPU twice over, so both variants run under the sanitizer
     kw2 = checks.stage_inputs(spec, 2, 40, 70, K, V, seed=1, device="cuda")
     res.update({k + " (B*H = 140)": v for k, v in checks.run(stage.forward, kw2, "cuda", backward=False).items()})
-for name in getattr(stage, "PATHS", {}):  # a stage with several paths (08): each one, pinned
-    if name == "fused8" and K < 128:
-        continue
-    with stage.path(name):
-        res.update({f"{k} ({name})": v for k, v in checks.run(stage.forward, kw, "cuda", backward=False).items()})
+if getattr(stage, "PATHS", None):  # a stage with several paths (08): each one, pinned, at K = V = 64 and 128
+    kw128 = checks.stage_inputs(spec, 1, 40, 2, 128, 128, seed=2, device="cuda")  # a tail chunk too
+    for name, (_, ncw) in stage.PATHS.items():
+        for kwp in (kw, kw128):
+            if 16 * ncw > kwp["v"].shape[-1]:
+                continue
+            with stage.path(name):
+                res.update({f"{k} ({name}, K={kwp['k'].shape[-1]})": v
+                            for k, v in checks.run(stage.forward, kwp, "cuda", backward=False).items()})
 torch.cuda.synchronize()
 bad = [n for n, t in res.items() if t is not None and not torch.isfinite(t).all()]
 print(f"stage {spec.name}: {'non-finite ' + str(bad) if bad else 'all outputs finite'}")
