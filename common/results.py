@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .fla_ref import FLASHKDA_NAME
 from .paths import REPO_ROOT, RESULTS_DIR
 
 
@@ -86,7 +87,7 @@ PATHS_RECORDED = {"08": dict(table="stage08/paths_b0c71db", profile="stage08/pat
                              profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128))}
 
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
-FLASHKDA = "FlashKDA"  # the stage name of FlashKDA's rows in a benchmark (bench_stage("flashkda"))
+FLASHKDA = FLASHKDA_NAME  # the stage name of FlashKDA's rows in a benchmark (bench_stage("flashkda"))
 FLASHKDA_MEASURED = "FlashKDA (measured)"  # measured live beside the stages (results/h200/tc_stages.json)
 
 

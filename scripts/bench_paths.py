@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import bench  # noqa: E402
+from common.fla_ref import flashkda_available  # noqa: E402
 from common.results import metadata, save  # noqa: E402
 
 LONG_SHAPE = dict(B=1, T=32768, H=16, K=128, V=128)
@@ -46,11 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="clock64 regions of every path of stage 08 per shape")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes) if args.shapes else bench.TC_GPU_SHAPES + [LONG_SHAPE]
-    try:
-        from common.fla_ref import flashkda_available
-        fk_ok, fk_why = flashkda_available()
-    except ImportError as e:  # an older common/ without FlashKDA
-        fk_ok, fk_why = False, str(e)
+    fk_ok, fk_why = flashkda_available()
     print(f"FlashKDA: {'importable' if fk_ok else fk_why}", flush=True)
     rows, meta = [], metadata(command="python scripts/bench_paths.py" + (" --profile" if args.profile else ""))
     for shape in shapes:
