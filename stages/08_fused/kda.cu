@@ -356,7 +356,31 @@ __device__ __forceinline__ GateParams<K> gate_params(const KdaFwdParams& p, int 
   return gp;
 }
 
-template <int K, int V>
+// The fast approximations of the fused prepare (kFast below; K1 keeps the IEEE
+// forms, so that the split path stays bitwise stage 07's). ex2.approx and
+// rcp.approx are single MUFU instructions (relative error about 2^-22); rsqrtf
+// is MUFU.RSQ. The IEEE division and sqrt compile to a fast path, a check and a
+// CALL to a slow path: four rows of them in stage_rows were about 1100
+// instructions per warp, every row in turn behind a branch.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// 1 / (1 + 2^(-x log2 e)): x -> -inf gives 1 / inf = 0, x -> +inf gives 1.
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  return rcp_approx(1.0f + ex2_approx(-1.4426950408889634f * x));
+}
+
+// kFast (the fused kernel, where this phase is on the critical path of every
+// block): rsqrt and sigmoid by the approximations above, no branch per row, so
+// that the four rows of a warp interleave.
+template <int K, int V, bool kFast = false>
 __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
                                            int warp, int lane, const RawRows<K, V>& r) {
   constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV;
@@ -376,20 +400,26 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
     }
     sq = warp_sum(sq);
     sk = warp_sum(sk);
-    const float rq = 1.0f / sqrtf(sq + kL2Eps), rk = 1.0f / sqrtf(sk + kL2Eps);
+    const float rq = kFast ? rsqrtf(sq + kL2Eps) : 1.0f / sqrtf(sq + kL2Eps);
+    const float rk = kFast ? rsqrtf(sk + kL2Eps) : 1.0f / sqrtf(sk + kL2Eps);
     float qn[QV], kn[QV], av[QV];
 #pragma unroll
     for (int j = 0; j < QV; ++j) {
       qn[j] = static_cast<float>(r.q[i][j]) * rq;
       kn[j] = static_cast<float>(r.k[i][j]) * rk;
       const float x = static_cast<float>(r.g[i][j]) + dtb[j];
-      av[j] = real ? p.lower_bound * sigmoid_f(aexp * x) : 0.f;
+      if constexpr (kFast) {
+        av[j] = p.lower_bound * sigmoid_approx(aexp * x) * (real ? 1.f : 0.f);  // padded rows: x finite, a = 0
+      } else {
+        av[j] = real ? p.lower_bound * sigmoid_f(aexp * x) : 0.f;
+      }
     }
     store_vec(&sm.qn[c][lane * QV], qn);
     store_vec(&sm.kn[c][lane * QV], kn);
     store_vec(&sm.a[c][lane * QV], av);
     store_vec(&sm.v[c][lane * RawRows<K, V>::VV], r.v[i]);
-    if (lane == 0) sm.beta[c] = real ? sigmoid_f(static_cast<float>(r.beta[i])) : 0.f;
+    const float braw = static_cast<float>(r.beta[i]);
+    if (lane == 0) sm.beta[c] = real ? (kFast ? sigmoid_approx(braw) : sigmoid_f(braw)) : 0.f;
   }
 }
 
@@ -405,12 +435,7 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
 //   as two ex2.approx of +-gc log2(e) instead of expf and an IEEE division --
 //   about 2e-7 relative error each, far below the bf16 rounding (4e-3) that
 //   follows; K1 keeps expf so that the split path stays bitwise stage 07's.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-template <int K, int V, int LDQ, int LDKR, bool kFast = false>
+template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true>
 __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
                                               bf16* out_krT, float* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
@@ -434,7 +459,7 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
       sm.kd[c][d] = bf16(knv * e);
       sm.ki[c][d] = bf16(knv * ie);
       const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
-      sm.qd[c][d] = qdv;
+      if constexpr (kQdScratch) sm.qd[c][d] = qdv;  // else products reads out_qd (a shared slot)
       out_qd[c * LDQ + d] = qdv;
       const uint32_t kr_bits = bf16(knv * (el * ie)).raw();
       kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
@@ -449,7 +474,7 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
 //   warps 0-1:  L   = strict_lower(beta[:, None] * (kd @ ki^T))  -> shared, fp32
 //   warps 2-3:  Aqk = lower_incl_diag(qd @ ki^T)                 -> out_Aqk (rows LDA apart), bf16
 template <int K, int V, int LDA>
-__device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, bf16* out_Aqk) {
+__device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, const bf16* qd, bf16* out_Aqk) {
   TiledMma2 mma;
   const int idx = tid % 64;  // thread index inside its 64-thread MMA
   auto thr_mma = mma.get_slice(idx);
@@ -469,7 +494,7 @@ __device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, bf16* out_Aq
       tCsL(e) = (c > i) ? sm.beta[c] * acc(e) : 0.f;
     }
   } else {
-    Tensor sQd = smem_rows<BT, K, K + kPad>(&sm.qd[0][0]);        // (BT,K)   (c, d)
+    Tensor sQd = smem_rows<BT, K, K + kPad>(qd);                  // (BT,K)   (c, d)
     mma_smem(mma, idx, sQd, sKi, acc);                            // qd @ ki^T
     Tensor gA = make_tensor(make_gmem_ptr(out_Aqk),
                             make_layout(Shape<Int<BT>, Int<BT>>{}, make_stride(Int<LDA>{}, _1{})));  // (BT,BT)
@@ -568,7 +593,7 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
                              reinterpret_cast<bf16*>(p.krT) + slot * K * BT, p.el + slot * K);
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
-  products<K, V, BT>(sm, tid, reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
+  products<K, V, BT>(sm, tid, &sm.qd[0][0], reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
   if (warp == 0) invert(sm, lane);
@@ -868,17 +893,17 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
       K2Slot<K, NCW>& st = sm.ring.slot[s];
       prep_sync();  // chunk n - 1's phases are done with the scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      stage_rows(sm.prep, p, gp, n, warp, lane, raw);
+      stage_rows<K, V, true>(sm.prep, p, gp, n, warp, lane, raw);
       if (n + 1 < p.NT) load_rows(p, b, h, n + 1, warp, lane, raw);  // in flight until the next stage_rows
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
       // slot s is refilled once the compute warps released chunk n - kStages
       if (n >= kStages) mbar_wait(&sm.ring.empty[s], (n / kStages - 1) & 1);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync();
-      decay_columns<K, V, K + kPad, BT + kPad, true>(sm.prep, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
+      decay_columns<K, V, K + kPad, BT + kPad, true, false>(sm.prep, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
-      products<K, V, BT + kPad>(sm.prep, tid, &st.Aqk[0][0]);
+      products<K, V, BT + kPad>(sm.prep, tid, &st.qd[0][0], &st.Aqk[0][0]);
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
       if (warp == 0) invert(sm.prep, lane);
