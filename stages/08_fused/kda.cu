@@ -384,9 +384,14 @@ template <int K, int V, bool kFast = false>
 __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
                                            int warp, int lane, const RawRows<K, V>& r) {
   constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV;
+  constexpr float kLog2e = 1.4426950408889634f;
   const int len = min(BT, p.T - n * BT);
   const float aexp = gp.aexp;
   const float* dtb = gp.dtb;
+  // kFast: the sigmoid's exponent as one FMA, 2^(g c1 + c0[j]) = exp(-aexp (g + dt_bias)).
+  float c0[QV];
+#pragma unroll
+  for (int j = 0; j < QV; ++j) c0[j] = -aexp * kLog2e * dtb[j];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int c = warp * kRows + i;
@@ -400,17 +405,21 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
     }
     sq = warp_sum(sq);
     sk = warp_sum(sk);
-    const float rq = kFast ? rsqrtf(sq + kL2Eps) : 1.0f / sqrtf(sq + kL2Eps);
+    // kFast: qn carries the scale already (qd = scale qn e needs it nowhere else), and a is
+    // kept in log2 units (a log2 e: decay_columns then needs no multiply before ex2)
+    const float rq = kFast ? rsqrtf(sq + kL2Eps) * p.scale : 1.0f / sqrtf(sq + kL2Eps);
     const float rk = kFast ? rsqrtf(sk + kL2Eps) : 1.0f / sqrtf(sk + kL2Eps);
+    const float lb2 = real ? p.lower_bound * kLog2e : 0.f;  // kFast: padded rows get a = 0
     float qn[QV], kn[QV], av[QV];
 #pragma unroll
     for (int j = 0; j < QV; ++j) {
       qn[j] = static_cast<float>(r.q[i][j]) * rq;
       kn[j] = static_cast<float>(r.k[i][j]) * rk;
-      const float x = static_cast<float>(r.g[i][j]) + dtb[j];
       if constexpr (kFast) {
-        av[j] = p.lower_bound * sigmoid_approx(aexp * x) * (real ? 1.f : 0.f);  // padded rows: x finite, a = 0
+        const float t = ex2_approx(fmaf(static_cast<float>(r.g[i][j]), -aexp * kLog2e, c0[j]));
+        av[j] = lb2 * rcp_approx(1.0f + t);
       } else {
+        const float x = static_cast<float>(r.g[i][j]) + dtb[j];
         av[j] = real ? p.lower_bound * sigmoid_f(aexp * x) : 0.f;
       }
     }
@@ -431,16 +440,21 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
 //   qd -> out_qd [BT, K] (rows LDQ apart);  kr = kn e^glast / e -> out_krT as kr^T
 //   [K, BT] (rows LDKR apart; row d is this thread's 16 values: two 16-byte
 //   stores);  exp(glast) -> out_el [K].
-//   kFast (the fused kernel, where this phase is on the critical path): e and 1/e
-//   as two ex2.approx of +-gc log2(e) instead of expf and an IEEE division --
-//   about 2e-7 relative error each, far below the bf16 rounding (4e-3) that
-//   follows; K1 keeps expf so that the split path stays bitwise stage 07's.
+//   kFast (the fused kernel, where this phase is on the critical path): a comes
+//   in log2 units and qn already scaled (stage_rows<kFast>), e and 1/e are two
+//   ex2.approx of +-gc -- about 2e-7 relative error each, far below the bf16
+//   rounding (4e-3) that follows; K1 keeps expf so that the split path stays
+//   bitwise stage 07's.
 template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true>
 __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
                                               bf16* out_krT, float* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
-  constexpr float kLog2e = 1.4426950408889634f;
-  for (int d = tid; d < K; d += kThreads) {
+  // kFast: stage_rows<kFast> left a in log2 units and qn scaled, so gc is log2(e) gc here
+  const float qscale = kFast ? 1.0f : p.scale;
+#pragma unroll
+  for (int d0 = 0; d0 < K; d0 += kThreads) {  // K = 128: once, no loop; K = 64: threads 64-127 idle
+    const int d = d0 + tid;
+    if (K % kThreads != 0 && d >= K) break;
     float gc[BT];
     float acc = 0.f;
 #pragma unroll
@@ -448,17 +462,17 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
       acc += sm.a[c][d];
       gc[c] = acc;
     }
-    const float el = kFast ? ex2_approx(acc * kLog2e) : expf(acc);  // exp(glast)
+    const float el = kFast ? ex2_approx(acc) : expf(acc);  // exp(glast)
     out_el[d] = el;
     uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
-      const float e = kFast ? ex2_approx(gc[c] * kLog2e) : expf(gc[c]);
-      const float ie = kFast ? ex2_approx(-gc[c] * kLog2e) : 1.0f / e;
+      const float e = kFast ? ex2_approx(gc[c]) : expf(gc[c]);
+      const float ie = kFast ? ex2_approx(-gc[c]) : 1.0f / e;
       const float knv = sm.kn[c][d];
       sm.kd[c][d] = bf16(knv * e);
       sm.ki[c][d] = bf16(knv * ie);
-      const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
+      const bf16 qdv = bf16(qscale * sm.qn[c][d] * e);
       if constexpr (kQdScratch) sm.qd[c][d] = qdv;  // else products reads out_qd (a shared slot)
       out_qd[c * LDQ + d] = qdv;
       const uint32_t kr_bits = bf16(knv * (el * ie)).raw();
@@ -625,11 +639,12 @@ struct K2Slot {
 
 // Shared memory of K2: only the ring (K = 128: about 55 KB). The state and
 // vcorr live in registers.
-template <int K, int NCW>
+template <int K, int NCW, int S = kStagesFor<K>>
 struct K2Smem {
-  K2Slot<K, NCW> slot[kStagesFor<K>];
-  uint64_t full[kStagesFor<K>];   // slot s holds its chunk: 32 load-warp lanes arrive (on copy completion)
-  uint64_t empty[kStagesFor<K>];  // slot s is free again: 32 * NCW compute lanes arrive
+  static constexpr int kStages = S;
+  K2Slot<K, NCW> slot[S];
+  uint64_t full[S];   // slot s holds its chunk: the producer's threads arrive (K2: 32 load-warp lanes on copy completion)
+  uint64_t empty[S];  // slot s is free again: 32 * NCW compute lanes arrive
 };
 
 // ---------------------------------------------------------------------------
@@ -646,10 +661,10 @@ struct K2Smem {
 // slot's u). Profile: compute warp 0's lane 0 times the K2 regions, slot =
 // block index.
 // ---------------------------------------------------------------------------
-template <int K, int V, int NCW>
-__device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW>& sm, const KdaFwdParams& p, int bh, int cw0, int cw,
+template <int K, int V, int NCW, int S>
+__device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const KdaFwdParams& p, int bh, int cw0, int cw,
                                                 int lane) {
-  constexpr int kStages = kStagesFor<K>;
+  constexpr int kStages = S;
   const int b = bh / p.H, h = bh % p.H;
   const int NT = p.NT;
   const bool timer = cw == 0 && lane == 0;
@@ -830,12 +845,18 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
 // The fused kernel: prepare and recurrence in one block, no workspace
 // ===========================================================================
 
-// Shared memory of the fused kernel: the prepare's scratch (one chunk at a time)
-// and the ring of prepared chunks (K = V = 128, 8 compute warps: about 117 KB).
+// Chunks the prepare warps work on at once (see kda_fused_kernel), and the ring
+// depth of the fused kernel: a multiple of it, so that the chunks of a step take
+// neighbouring slots.
+constexpr int kPrepChunks = 2;
+constexpr int kFusedStages = 2 * kPrepChunks;
+
+// Shared memory of the fused kernel: the prepare's scratch, one per chunk of a
+// step, and the ring of prepared chunks (K = V = 128, 8 compute warps: about 160 KB).
 template <int K, int V, int NCW>
 struct FusedSmem {
-  K1Smem<K, V> prep;
-  K2Smem<K, NCW> ring;
+  K1Smem<K, V> prep[kPrepChunks];
+  K2Smem<K, NCW, kFusedStages> ring;
 };
 
 // The barrier of the 4 prepare warps alone (named barrier 1; the compute warps
@@ -844,30 +865,41 @@ __device__ __forceinline__ void prep_sync() { asm volatile("bar.sync 1, %0;\n" :
 
 // ---------------------------------------------------------------------------
 // kda_fused_kernel -- K1 and K2 in one block per (b, h, 16 * NCW value columns):
-// warps 0-3 run the prepare's five phases chunk after chunk, straight into the
-// ring slot of the chunk (instead of the workspace in global memory), and
-// warps 4 .. 4 + NCW - 1 run recurrence_warp on the ring exactly as in K2.
-// The 4 prepare warps replace K2's load warp: what it copied from the
-// workspace, they compute. Their global loads for chunk n + 1 are issued before
-// they work on chunk n, so only the first chunk waits for memory.
+// warps 0-3 run the prepare's five phases, straight into the ring slots of the
+// chunks (instead of the workspace in global memory), and warps 4 .. 4 + NCW - 1
+// run recurrence_warp on the ring exactly as in K2. The 4 prepare warps replace
+// K2's load warp: what it copied from the workspace, they compute.
+//
+// The prepare is a chain of short dependent steps (warp sums, MUFU, shared
+// loads) run by one warp per scheduler: alone, a warp mostly waits on its own
+// latencies. So the prepare warps take kPrepChunks = 2 chunks per step, each
+// in its own scratch: every phase runs for both chunks between the same two
+// barriers (straight-line code, which the compiler interleaves), and the two
+// inverses run on warps 0 and 1 side by side. The global loads of the next
+// step's chunks are issued before the phases of this step, so only the first
+// step waits for memory. A chunk past the end (odd NT) is prepared from zero
+// rows into its slot and never handed over.
+//
 // Nothing is written to global memory but o and ht; the price is that the
-// prepare, chunk-parallel in K1, becomes a serial stream per block, one chunk
-// at a time, beside the recurrence it feeds.
+// prepare, chunk-parallel in K1, becomes a serial stream per block beside the
+// recurrence it feeds.
 // grid = B*H*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice), block =
 // 32 * (4 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
 // Profile: slot = block index; thread 0 times the prepare (K1 regions summed
-// over the block's chunks; K2L_ISSUE = stage_rows + the next chunk's loads;
-// K2L_WAIT_SLOT = the prepare warps' barrier and the wait for a free slot),
+// over the block's steps; K2L_ISSUE = stage_rows + the next step's loads;
+// K2L_WAIT_SLOT = the prepare warps' barrier and the wait for free slots),
 // compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW>
 __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
   constexpr int VC = VW * NCW;  // value columns per block
   constexpr int NS = V / VC;    // column slices per head
-  constexpr int kStages = kStagesFor<K>;
+  constexpr int kStages = kFusedStages;
+  constexpr int P = kPrepChunks;
   constexpr int kPrepWarps = kThreads / 32;
   static_assert(V % VC == 0, "V multiple of 16 * NCW");
+  static_assert(kStages % P == 0 && P <= kPrepWarps, "a step's chunks in neighbouring slots, one inverse per warp");
   extern __shared__ __align__(16) unsigned char kda_smem[];
   FusedSmem<K, V, NCW>& sm = *reinterpret_cast<FusedSmem<K, V, NCW>*>(kda_smem);
 
@@ -886,33 +918,53 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
     const int tid = threadIdx.x, b = bh / p.H, h = bh % p.H;
     KDA_PROF_START(tp);
     const GateParams<K> gp = gate_params<K>(p, h, lane);  // once per block, not per chunk
-    RawRows<K, V> raw;
-    load_rows(p, b, h, 0, warp, lane, raw);
-    for (int n = 0; n < p.NT; ++n) {
-      const int s = n % kStages;
-      K2Slot<K, NCW>& st = sm.ring.slot[s];
-      prep_sync();  // chunk n - 1's phases are done with the scratch
+    RawRows<K, V> raw[P];
+#pragma unroll
+    for (int x = 0; x < P; ++x) load_rows(p, b, h, x, warp, lane, raw[x]);
+    for (int n = 0; n < p.NT; n += P) {  // chunk n + x in slot (n + x) % kStages
+      prep_sync();  // the last step's phases are done with the scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      stage_rows<K, V, true>(sm.prep, p, gp, n, warp, lane, raw);
-      if (n + 1 < p.NT) load_rows(p, b, h, n + 1, warp, lane, raw);  // in flight until the next stage_rows
+#pragma unroll
+      for (int x = 0; x < P; ++x) stage_rows<K, V, true>(sm.prep[x], p, gp, n + x, warp, lane, raw[x]);
+#pragma unroll
+      for (int x = 0; x < P; ++x) load_rows(p, b, h, n + P + x, warp, lane, raw[x]);  // past T: zero rows, no load
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
-      // slot s is refilled once the compute warps released chunk n - kStages
-      if (n >= kStages) mbar_wait(&sm.ring.empty[s], (n / kStages - 1) & 1);
+      // slot s is refilled once the compute warps released chunk m - kStages
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        const int m = n + x;
+        if (m >= kStages) mbar_wait(&sm.ring.empty[m % kStages], (m / kStages - 1) & 1);
+      }
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync();
-      decay_columns<K, V, K + kPad, BT + kPad, true, false>(sm.prep, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+        decay_columns<K, V, K + kPad, BT + kPad, true, false>(sm.prep[x], p, tid, &st.qd[0][0], &st.krT[0][0],
+                                                              st.el);
+      }
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
-      products<K, V, BT + kPad>(sm.prep, tid, &st.qd[0][0], &st.Aqk[0][0]);
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+        products<K, V, BT + kPad>(sm.prep[x], tid, &st.qd[0][0], &st.Aqk[0][0]);
+      }
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
-      if (warp == 0) invert(sm.prep, lane);
+      if (warp < P) invert(sm.prep[warp], lane);  // the step's inverses side by side, one warp each
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
-      w_u<K, V, K + kPad, VC>(sm.prep, tid, &st.w[0][0], &st.u[0][0], col0);
-      // release: this thread's writes to slot s are ordered before the compute
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+        w_u<K, V, K + kPad, VC>(sm.prep[x], tid, &st.w[0][0], &st.u[0][0], col0);
+      }
+      // release: this thread's writes to the slots are ordered before the compute
       // warps' reads, which wait for all 128 arrivals
-      mbar_arrive(&sm.ring.full[s]);
+#pragma unroll
+      for (int x = 0; x < P; ++x)
+        if (n + x < p.NT) mbar_arrive(&sm.ring.full[(n + x) % kStages]);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_WU, tp);
     }
     return;
