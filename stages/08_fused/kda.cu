@@ -55,7 +55,7 @@
 
 #include "kda.h"
 #include "kda_cuda_check.h"
-#include "kda_device.cuh"  // sigmoid_f, softplus_f, warp_sum
+#include "kda_device.cuh"  // sigmoid_f
 #include "kda_profile.cuh"
 
 // (A named namespace, not an anonymous one: nvcc's generated registration code
@@ -377,58 +377,84 @@ __device__ __forceinline__ float sigmoid_approx(float x) {
   return rcp_approx(1.0f + ex2_approx(-1.4426950408889634f * x));
 }
 
+// Phase 1 for P chunks at once (n .. n + P - 1: scratch sm[x], raw rows r[x]).
+// The source order interleaves the chunks' and rows' work: first the sums of
+// squares of every row, then their warp sums level by level (4P rows x 2: that
+// many independent shuffles in flight), then each row's normalisation and gate.
+// (Written row after row, the compiler kept each row's chains in turn: a warp
+// per scheduler then waits on its own shuffle and MUFU latencies.) K1: P = 1,
+// and the same arithmetic in the same order as stage 07 (the butterfly is
+// warp_sum's).
 // kFast (the fused kernel, where this phase is on the critical path of every
-// block): rsqrt and sigmoid by the approximations above, no branch per row, so
-// that the four rows of a warp interleave.
-template <int K, int V, bool kFast = false>
-__device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
-                                           int warp, int lane, const RawRows<K, V>& r) {
-  constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV;
+// block): rsqrt and sigmoid by the approximations above (no IEEE slow-path
+// branches), the sigmoid's exponent as one FMA, qn with the scale folded in
+// (qd = scale qn e needs it nowhere else) and a in log2 units (a log2 e, so
+// that decay_columns needs no multiply before ex2).
+template <int K, int V, bool kFast = false, int P = 1>
+__device__ __forceinline__ void stage_rows(K1Smem<K, V>* sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
+                                           int warp, int lane, const RawRows<K, V>* r) {
+  constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV, VV = RawRows<K, V>::VV;
   constexpr float kLog2e = 1.4426950408889634f;
-  const int len = min(BT, p.T - n * BT);
   const float aexp = gp.aexp;
   const float* dtb = gp.dtb;
-  // kFast: the sigmoid's exponent as one FMA, 2^(g c1 + c0[j]) = exp(-aexp (g + dt_bias)).
-  float c0[QV];
+  float c0[QV];  // kFast: 2^(g c1 + c0[j]) = exp(-aexp (g + dt_bias)), c1 = -aexp log2 e
 #pragma unroll
   for (int j = 0; j < QV; ++j) c0[j] = -aexp * kLog2e * dtb[j];
+  float sq[P][kRows], sk[P][kRows];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int c = warp * kRows + i;
-    const bool real = c < len;
-    float sq = 0.f, sk = 0.f;
+  for (int x = 0; x < P; ++x) {
 #pragma unroll
-    for (int j = 0; j < QV; ++j) {
-      const float qf = static_cast<float>(r.q[i][j]), kf = static_cast<float>(r.k[i][j]);
-      sq += qf * qf;
-      sk += kf * kf;
-    }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    // kFast: qn carries the scale already (qd = scale qn e needs it nowhere else), and a is
-    // kept in log2 units (a log2 e: decay_columns then needs no multiply before ex2)
-    const float rq = kFast ? rsqrtf(sq + kL2Eps) * p.scale : 1.0f / sqrtf(sq + kL2Eps);
-    const float rk = kFast ? rsqrtf(sk + kL2Eps) : 1.0f / sqrtf(sk + kL2Eps);
-    const float lb2 = real ? p.lower_bound * kLog2e : 0.f;  // kFast: padded rows get a = 0
-    float qn[QV], kn[QV], av[QV];
+    for (int i = 0; i < kRows; ++i) {
+      sq[x][i] = sk[x][i] = 0.f;
 #pragma unroll
-    for (int j = 0; j < QV; ++j) {
-      qn[j] = static_cast<float>(r.q[i][j]) * rq;
-      kn[j] = static_cast<float>(r.k[i][j]) * rk;
-      if constexpr (kFast) {
-        const float t = ex2_approx(fmaf(static_cast<float>(r.g[i][j]), -aexp * kLog2e, c0[j]));
-        av[j] = lb2 * rcp_approx(1.0f + t);
-      } else {
-        const float x = static_cast<float>(r.g[i][j]) + dtb[j];
-        av[j] = real ? p.lower_bound * sigmoid_f(aexp * x) : 0.f;
+      for (int j = 0; j < QV; ++j) {
+        const float qf = static_cast<float>(r[x].q[i][j]), kf = static_cast<float>(r[x].k[i][j]);
+        sq[x][i] += qf * qf;
+        sk[x][i] += kf * kf;
       }
     }
-    store_vec(&sm.qn[c][lane * QV], qn);
-    store_vec(&sm.kn[c][lane * QV], kn);
-    store_vec(&sm.a[c][lane * QV], av);
-    store_vec(&sm.v[c][lane * RawRows<K, V>::VV], r.v[i]);
-    const float braw = static_cast<float>(r.beta[i]);
-    if (lane == 0) sm.beta[c] = real ? (kFast ? sigmoid_approx(braw) : sigmoid_f(braw)) : 0.f;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {  // warp_sum's butterfly, every row side by side
+#pragma unroll
+    for (int x = 0; x < P; ++x) {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        sq[x][i] += __shfl_xor_sync(kFullMask, sq[x][i], off);
+        sk[x][i] += __shfl_xor_sync(kFullMask, sk[x][i], off);
+      }
+    }
+  }
+#pragma unroll
+  for (int x = 0; x < P; ++x) {
+    const int len = min(BT, p.T - (n + x) * BT);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int c = warp * kRows + i;
+      const bool real = c < len;
+      const float rq = kFast ? rsqrtf(sq[x][i] + kL2Eps) * p.scale : 1.0f / sqrtf(sq[x][i] + kL2Eps);
+      const float rk = kFast ? rsqrtf(sk[x][i] + kL2Eps) : 1.0f / sqrtf(sk[x][i] + kL2Eps);
+      const float lb2 = real ? p.lower_bound * kLog2e : 0.f;  // kFast: padded rows get a = 0
+      float qn[QV], kn[QV], av[QV];
+#pragma unroll
+      for (int j = 0; j < QV; ++j) {
+        qn[j] = static_cast<float>(r[x].q[i][j]) * rq;
+        kn[j] = static_cast<float>(r[x].k[i][j]) * rk;
+        if constexpr (kFast) {
+          const float t = ex2_approx(fmaf(static_cast<float>(r[x].g[i][j]), -aexp * kLog2e, c0[j]));
+          av[j] = lb2 * rcp_approx(1.0f + t);
+        } else {
+          const float xg = static_cast<float>(r[x].g[i][j]) + dtb[j];
+          av[j] = real ? p.lower_bound * sigmoid_f(aexp * xg) : 0.f;
+        }
+      }
+      store_vec(&sm[x].qn[c][lane * QV], qn);
+      store_vec(&sm[x].kn[c][lane * QV], kn);
+      store_vec(&sm[x].a[c][lane * QV], av);
+      store_vec(&sm[x].v[c][lane * VV], r[x].v[i]);
+      const float braw = static_cast<float>(r[x].beta[i]);
+      if (lane == 0) sm[x].beta[c] = real ? (kFast ? sigmoid_approx(braw) : sigmoid_f(braw)) : 0.f;
+    }
   }
 }
 
@@ -440,47 +466,62 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
 //   qd -> out_qd [BT, K] (rows LDQ apart);  kr = kn e^glast / e -> out_krT as kr^T
 //   [K, BT] (rows LDKR apart; row d is this thread's 16 values: two 16-byte
 //   stores);  exp(glast) -> out_el [K].
+//   P chunks at once (scratch sm[x], destinations out_*[x]), interleaved in the
+//   source as in stage_rows; K1: P = 1.
 //   kFast (the fused kernel, where this phase is on the critical path): a comes
 //   in log2 units and qn already scaled (stage_rows<kFast>), e and 1/e are two
 //   ex2.approx of +-gc -- about 2e-7 relative error each, far below the bf16
 //   rounding (4e-3) that follows; K1 keeps expf so that the split path stays
-//   bitwise stage 07's.
-template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true>
-__device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
-                                              bf16* out_krT, float* out_el) {
+//   bitwise stage 07's. kQdScratch = false: qd goes to out_qd only (products
+//   then reads it there).
+template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true, int P = 1>
+__device__ __forceinline__ void decay_columns(K1Smem<K, V>* sm, const KdaFwdParams& p, int tid,
+                                              bf16* const* out_qd, bf16* const* out_krT, float* const* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
-  // kFast: stage_rows<kFast> left a in log2 units and qn scaled, so gc is log2(e) gc here
   const float qscale = kFast ? 1.0f : p.scale;
 #pragma unroll
   for (int d0 = 0; d0 < K; d0 += kThreads) {  // K = 128: once, no loop; K = 64: threads 64-127 idle
     const int d = d0 + tid;
     if (K % kThreads != 0 && d >= K) break;
-    float gc[BT];
-    float acc = 0.f;
+    float gc[P][BT], acc[P], el[P];
+#pragma unroll
+    for (int x = 0; x < P; ++x) acc[x] = 0.f;
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
-      acc += sm.a[c][d];
-      gc[c] = acc;
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        acc[x] += sm[x].a[c][d];
+        gc[x][c] = acc[x];
+      }
     }
-    const float el = kFast ? ex2_approx(acc) : expf(acc);  // exp(glast)
-    out_el[d] = el;
-    uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
+#pragma unroll
+    for (int x = 0; x < P; ++x) {
+      el[x] = kFast ? ex2_approx(acc[x]) : expf(acc[x]);  // exp(glast)
+      out_el[x][d] = el[x];
+    }
+    uint32_t kr_row[P][BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
-      const float e = kFast ? ex2_approx(gc[c]) : expf(gc[c]);
-      const float ie = kFast ? ex2_approx(-gc[c]) : 1.0f / e;
-      const float knv = sm.kn[c][d];
-      sm.kd[c][d] = bf16(knv * e);
-      sm.ki[c][d] = bf16(knv * ie);
-      const bf16 qdv = bf16(qscale * sm.qn[c][d] * e);
-      if constexpr (kQdScratch) sm.qd[c][d] = qdv;  // else products reads out_qd (a shared slot)
-      out_qd[c * LDQ + d] = qdv;
-      const uint32_t kr_bits = bf16(knv * (el * ie)).raw();
-      kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        const float e = kFast ? ex2_approx(gc[x][c]) : expf(gc[x][c]);
+        const float ie = kFast ? ex2_approx(-gc[x][c]) : 1.0f / e;
+        const float knv = sm[x].kn[c][d];
+        sm[x].kd[c][d] = bf16(knv * e);
+        sm[x].ki[c][d] = bf16(knv * ie);
+        const bf16 qdv = bf16(qscale * sm[x].qn[c][d] * e);
+        if constexpr (kQdScratch) sm[x].qd[c][d] = qdv;
+        out_qd[x][c * LDQ + d] = qdv;
+        const uint32_t kr_bits = bf16(knv * (el[x] * ie)).raw();
+        kr_row[x][c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[x][c / 2] | (kr_bits << 16));
+      }
     }
-    uint4* dst = reinterpret_cast<uint4*>(out_krT + (size_t)d * LDKR);  // 32 bytes of a 16-byte aligned row
-    dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
-    dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
+#pragma unroll
+    for (int x = 0; x < P; ++x) {
+      uint4* dst = reinterpret_cast<uint4*>(out_krT[x] + (size_t)d * LDKR);  // 32 bytes of a 16-byte aligned row
+      dst[0] = make_uint4(kr_row[x][0], kr_row[x][1], kr_row[x][2], kr_row[x][3]);
+      dst[1] = make_uint4(kr_row[x][4], kr_row[x][5], kr_row[x][6], kr_row[x][7]);
+    }
   }
 }
 
@@ -601,10 +642,12 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
 
   RawRows<K, V> raw;
   load_rows(p, b, h, n, warp, lane, raw);
-  stage_rows(sm, p, gate_params<K>(p, h, lane), n, warp, lane, raw);
+  stage_rows(&sm, p, gate_params<K>(p, h, lane), n, warp, lane, &raw);
   __syncthreads();
-  decay_columns<K, V, K, BT>(sm, p, tid, reinterpret_cast<bf16*>(p.qd) + slot * BT * K,
-                             reinterpret_cast<bf16*>(p.krT) + slot * K * BT, p.el + slot * K);
+  bf16* const qd_out = reinterpret_cast<bf16*>(p.qd) + slot * BT * K;
+  bf16* const krT_out = reinterpret_cast<bf16*>(p.krT) + slot * K * BT;
+  float* const el_out = p.el + slot * K;
+  decay_columns<K, V, K, BT>(&sm, p, tid, &qd_out, &krT_out, &el_out);
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
   products<K, V, BT>(sm, tid, &sm.qd[0][0], reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
@@ -924,8 +967,7 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
     for (int n = 0; n < p.NT; n += P) {  // chunk n + x in slot (n + x) % kStages
       prep_sync();  // the last step's phases are done with the scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-#pragma unroll
-      for (int x = 0; x < P; ++x) stage_rows<K, V, true>(sm.prep[x], p, gp, n + x, warp, lane, raw[x]);
+      stage_rows<K, V, true, P>(sm.prep, p, gp, n, warp, lane, raw);
 #pragma unroll
       for (int x = 0; x < P; ++x) load_rows(p, b, h, n + P + x, warp, lane, raw[x]);  // past T: zero rows, no load
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
@@ -937,11 +979,18 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
       }
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync();
+      {
+        bf16* qd_out[P];
+        bf16* krT_out[P];
+        float* el_out[P];
 #pragma unroll
-      for (int x = 0; x < P; ++x) {
-        K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
-        decay_columns<K, V, K + kPad, BT + kPad, true, false>(sm.prep[x], p, tid, &st.qd[0][0], &st.krT[0][0],
-                                                              st.el);
+        for (int x = 0; x < P; ++x) {
+          K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+          qd_out[x] = &st.qd[0][0];
+          krT_out[x] = &st.krT[0][0];
+          el_out[x] = st.el;
+        }
+        decay_columns<K, V, K + kPad, BT + kPad, true, false, P>(sm.prep, p, tid, qd_out, krT_out, el_out);
       }
       prep_sync();
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
