@@ -478,11 +478,57 @@ template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch =
 __device__ __forceinline__ void decay_columns(K1Smem<K, V>* sm, const KdaFwdParams& p, int tid,
                                               bf16* const* out_qd, bf16* const* out_krT, float* const* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
-  const float qscale = kFast ? 1.0f : p.scale;
 #pragma unroll
   for (int d0 = 0; d0 < K; d0 += kThreads) {  // K = 128: once, no loop; K = 64: threads 64-127 idle
     const int d = d0 + tid;
     if (K % kThreads != 0 && d >= K) break;
+    if constexpr (kFast) {
+      // the fused prepare: chunk after chunk, each in three passes -- every shared load
+      // (a, kn, qn of the column), then the arithmetic, then every store. Written as one
+      // loop over c, each row's loads waited behind the previous row's stores (the
+      // compiler cannot tell the ring slot's pointers from the scratch), one shared-
+      // memory latency per row of the chunk.
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        float av[BT], kv[BT], qv[BT];
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          av[c] = sm[x].a[c][d];
+          kv[c] = sm[x].kn[c][d];
+          qv[c] = sm[x].qn[c][d];
+        }
+        float acc = 0.f;
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          acc += av[c];
+          av[c] = acc;  // gc (log2 units)
+        }
+        const float el = ex2_approx(acc);  // exp(glast)
+        bf16 kd[BT], ki[BT], qd[BT];
+        uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          const float e = ex2_approx(av[c]), ie = ex2_approx(-av[c]);
+          kd[c] = bf16(kv[c] * e);
+          ki[c] = bf16(kv[c] * ie);
+          qd[c] = bf16(qv[c] * e);  // qn carries the scale (stage_rows<kFast>)
+          const uint32_t kr_bits = bf16(kv[c] * (el * ie)).raw();
+          kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
+        }
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          sm[x].kd[c][d] = kd[c];
+          sm[x].ki[c][d] = ki[c];
+          if constexpr (kQdScratch) sm[x].qd[c][d] = qd[c];
+          out_qd[x][c * LDQ + d] = qd[c];
+        }
+        out_el[x][d] = el;
+        uint4* dst = reinterpret_cast<uint4*>(out_krT[x] + (size_t)d * LDKR);  // 32 bytes, 16-byte aligned row
+        dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
+        dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
+      }
+      continue;
+    }
     float gc[P][BT], acc[P], el[P];
 #pragma unroll
     for (int x = 0; x < P; ++x) acc[x] = 0.f;
@@ -496,7 +542,7 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>* sm, const KdaFwdPara
     }
 #pragma unroll
     for (int x = 0; x < P; ++x) {
-      el[x] = kFast ? ex2_approx(acc[x]) : expf(acc[x]);  // exp(glast)
+      el[x] = expf(acc[x]);  // exp(glast)
       out_el[x][d] = el[x];
     }
     uint32_t kr_row[P][BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
@@ -504,12 +550,12 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>* sm, const KdaFwdPara
     for (int c = 0; c < BT; ++c) {
 #pragma unroll
       for (int x = 0; x < P; ++x) {
-        const float e = kFast ? ex2_approx(gc[x][c]) : expf(gc[x][c]);
-        const float ie = kFast ? ex2_approx(-gc[x][c]) : 1.0f / e;
+        const float e = expf(gc[x][c]);
+        const float ie = 1.0f / e;
         const float knv = sm[x].kn[c][d];
         sm[x].kd[c][d] = bf16(knv * e);
         sm[x].ki[c][d] = bf16(knv * ie);
-        const bf16 qdv = bf16(qscale * sm[x].qn[c][d] * e);
+        const bf16 qdv = bf16(p.scale * sm[x].qn[c][d] * e);
         if constexpr (kQdScratch) sm[x].qd[c][d] = qdv;
         out_qd[x][c * LDQ + d] = qdv;
         const uint32_t kr_bits = bf16(knv * (el[x] * ie)).raw();
