@@ -1,8 +1,8 @@
 """Stage 08 has two paths (K1 + K2, or the fused kernel) and picks one per call.
 Every path is checked on its own, whatever the rule would pick for the shape:
 against the fp64 reference and stage 07 (tolerance); the split path bitwise
-against stage 07 (same roundings), the fused path (ex2.approx in its prepare)
-within nb.FUSED_VS_PREVIOUS (1e-3) of it; a path that does not exist for the sizes is refused with a
+against stage 07 (same roundings), the fused path (MUFU approximations in its
+prepare) within nb.FUSED_VS_PREVIOUS (1e-3) of it; the rule's choice by size; a path that does not exist for the sizes is refused with a
 named error. The GPU tests are marked gpu; the argument checks run anywhere."""
 
 import pytest
@@ -56,7 +56,7 @@ def test_every_path_is_correct_and_equal_to_stage07(name, case):
     ref = checks.run(load_stage("07").forward, inp, "cuda", backward=False)
     if name.startswith("split"):
         assert torch.equal(got["o"], ref["o"]) and torch.equal(got["S"], ref["S"]), "not bitwise equal to stage 07"
-    else:  # only the decay factors' ex2.approx differ; a bf16 output rounds differently here and there
+    else:  # only the prepare's MUFU approximations differ; a bf16 output rounds differently here and there
         for n in ("o", "S"):
             err = rel_err(got[n], ref[n])
             assert err <= nb.FUSED_VS_PREVIOUS, f"{n}: fused path {err:.1e} from stage 07"
@@ -81,6 +81,24 @@ def test_rule_picks_the_split_width_by_the_sm_count():
         S08.forward(**inp)
         k2 = [x for x in S08.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
         assert len(k2) == 1 and k2[0]["grid"] == H * 64 // (16 * ncw), (H, ncw, S08.build().launches())
+
+
+@gpu
+def test_rule_takes_the_fused_kernel_once_the_heads_fill_two_thirds_of_the_sms():
+    """The rule at V = 128: the fused kernel (8 compute warps, grid B*H) once
+    3 B*H >= 2 SMs, the split path below; V = 64 stays split at any B*H."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    h_fused = -(-2 * sms // 3)  # the fewest heads that take the fused kernel
+    for H, KV, want in ((h_fused, 128, "fused"), (h_fused - 1, 128, "split"), (2 * sms, 64, "split")):
+        inp = checks.case_inputs(checks.Case(1, 40, H, KV, KV, chunk=16, gate="bounded", lower_bound=-5.0),
+                                 "cuda", torch.bfloat16)
+        S08.forward(**inp)
+        launched = S08.build().launches()
+        kernels = {x["kernel"] for x in launched}
+        if want == "fused":
+            assert kernels == nb.FUSED_KERNELS and launched[0]["grid"] == H, (H, KV, launched)
+        else:
+            assert kernels == nb.SPLIT_KERNELS, (H, KV, launched)
 
 
 @gpu

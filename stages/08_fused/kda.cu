@@ -21,30 +21,32 @@
 //     The compute warps run stage 07's recurrence (now recurrence_warp, shared
 //     by K2 and the fused kernel) unchanged.
 //
-//   * The global loads of chunk n + 1 are issued before the prepare warps
-//     work on chunk n (load_rows only issues; the registers are read by the
-//     next stage_rows), so the stream of chunks does not stop for memory.
+//   * The global loads of the next chunks are issued before the prepare warps
+//     work on the current ones (load_rows only issues; the registers are read
+//     by the next stage_rows), so the stream of chunks does not stop for memory.
 //
 //   * The price: K1 prepared all chunks of all heads at once over every SM; in
 //     the fused kernel each block prepares its chunks one after the other, and
-//     the recurrence can go no faster than that stream. Measured on the H200,
-//     the four prepare warps need several times the chain's cycles per chunk,
-//     so the fused kernel is slower than K1 + K2 at every benchmark shape and
-//     the stage's rule (kda_fwd_plan, see kda.h) keeps the split path; the
-//     fused kernel runs when pinned (stage.path). The binding allocates the
-//     workspace only for the split path.
+//     the recurrence can go no faster than that stream. The prepare is a chain
+//     of short dependent steps run by one warp per scheduler, so what pays is
+//     latency hidden inside that warp: fast approximations without slow-path
+//     branches (stage_rows<kFast>, decay_columns<kFast>), two chunks per step
+//     with their work interleaved in the source, every shared load of a phase
+//     before its stores. Measured on the H200 (docs/PERF_NOTES.md) it went from
+//     1.4e4 to about 4e3 cycles per chunk, and the fused kernel is faster than
+//     K1 + K2 once the heads fill about two thirds of the SMs: the stage's rule
+//     (kda_fwd_plan, see kda.h) takes it there, at V = 128, and the split path
+//     elsewhere. The binding allocates the workspace only for the split path.
 //
 //   * The split path's K2 is two compute warps wide as soon as those blocks
 //     cover the SMs once (stage 07 asked for twice), and K1 keeps each row's
 //     beta in its load register (see load_rows).
 //
-//   * The fused prepare computes e = exp(gc) and 1/e with ex2.approx (see
-//     decay_columns): the prepare is now on the critical path of every block.
-//
-// Numerics: the split path has stage 07's roundings (bitwise equal outputs);
-// the fused path differs from it only by the ex2.approx of the decay factors,
-// each within about 2e-7 relative before the bf16 rounding. Both bitwise
-// deterministic.
+// Numerics: the split path has stage 07's roundings (bitwise equal outputs).
+// The fused path's prepare uses ex2.approx, rcp.approx and rsqrt (MUFU, about
+// 2e-7 relative each before the bf16 rounding) where K1 has expf, IEEE
+// divisions and sqrt: its outputs differ from stage 07's by about 3e-4 relative,
+// and not measurably against fp64. Both bitwise deterministic.
 
 #include <cuda_runtime.h>
 
@@ -1172,12 +1174,19 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const long long bhs = (long long)p.B * p.H;
-  // The split path at every size: the fused kernel is correct but slower at
-  // every benchmark shape (its prepare warps need about 1.1e4 cycles per chunk
-  // where the recurrence needs 2.6e3; docs/PERF_NOTES.md), so it runs only when
-  // pinned. Two compute warps per K2 block as soon as the blocks of that width
-  // still cover the SMs once (stage 07 asked for twice: measured 1.2-1.3x
-  // slower at 64 and 96 heads).
+  // The fused kernel (eight compute warps, one block per head) once the heads
+  // fill about two thirds of the SMs or more, at V = 128: measured 0.38 against
+  // 0.42-0.48 ms at 160 and 192 heads, 1.52 against 1.74 ms at 96 heads x 8192
+  // tokens, 0.77 against 1.16 ms at 512 heads, and slower at 64 heads (its
+  // blocks would leave half the SMs idle: 0.20 against 0.17 ms). Below that,
+  // and at V = 64 (not measured fused at many heads), the split path: two
+  // compute warps per K2 block as soon as those blocks still cover the SMs
+  // once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
+  // heads). docs/PERF_NOTES.md, results/h200/stage08/.
+  if (p.V == 128 && 3 * bhs >= 2LL * sms) {
+    *plan = KdaPlan{true, 8};
+    return cudaSuccess;
+  }
   *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= sms ? 2 : 1};
   return cudaSuccess;
 }

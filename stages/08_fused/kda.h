@@ -1,8 +1,8 @@
 // kda.h -- parameters and launcher of the KDA chunked forward, stage 08:
 // stage 07 (BT = 16, bounded gate, bf16 tensor cores through CuTe, register-resident
 // recurrence) plus a fused path: one kernel prepares each chunk and runs the
-// recurrence on it in the same block, with no workspace (measured slower than
-// K1 + K2 at every benchmark shape: it runs only when pinned).
+// recurrence on it in the same block, with no workspace (the rule's choice
+// when the heads fill about two thirds of the SMs, at V = 128).
 //
 // Plain C++/CUDA (no torch): binding.cpp fills the struct with device pointers
 // and calls the launcher, which returns the first CUDA error.
@@ -83,7 +83,8 @@ struct KdaPlan {
 };
 
 // The plan for these sizes on the current device: want_fused < 0 picks by the
-// stage's rule (split; ncw = 2 when B*H*V/32 >= the number of SMs, else 1);
+// stage's rule (fused with 8 compute warps when V = 128 and 3 B*H >= 2 SMs;
+// otherwise split, ncw = 2 when B*H*V/32 >= the number of SMs, else 1);
 // want_fused 0/1 with want_ncw asks for one path (cudaErrorInvalidValue if it
 // does not exist). Sizes this stage does not support: cudaErrorInvalidValue.
 cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan);

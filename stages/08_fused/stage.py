@@ -4,12 +4,14 @@ The fused path is one kernel: in each block four prepare warps run K1's
 phases chunk after chunk into a shared-memory ring and the compute warps run
 stage 07's register-resident recurrence on it. The per-chunk workspace (about
 1.3 KB per token and head, written once and read back by every column slice)
-disappears, and with it most of the peak memory. Measured on the H200 it is
-slower than the split path at every benchmark shape (its prepare warps cannot
-keep pace with the recurrence), so the stage's rule keeps stage 07's split
-path (K1 chunk-parallel over every SM, then K2), two compute warps per K2
-block once B*H*V/32 covers the SMs. ``path`` pins one path for the benchmark
-and the tests; ``frag_check`` is stage 07's fragment identity.
+disappears, and with it most of the peak memory. Its prepare warps take two
+chunks per step, with fast approximations and their work interleaved, so that
+they keep pace with the recurrence. The stage's rule (measured on the H200):
+the fused kernel with eight compute warps once B*H fills about two thirds of
+the SMs at V = 128; otherwise stage 07's split path (K1 chunk-parallel over
+every SM, then K2), two compute warps per K2 block once B*H*V/32 covers the
+SMs. ``path`` pins one path for the benchmark and the tests; ``frag_check`` is
+stage 07's fragment identity.
 """
 
 from pathlib import Path
@@ -27,8 +29,8 @@ SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
     name="08_fused",
-    title="stage 07 + a fused path (the prepare streams into the recurrence's block, no workspace; slower, "
-          "so pinned only) and a measured K2 width rule",
+    title="stage 07 + a fused path (the prepare streams into the recurrence's block, no workspace), "
+          "taken where the heads fill the SMs, and a measured K2 width rule",
     devices=("cuda",),
     gates=("bounded",),
     chunk_sizes=(16,),
