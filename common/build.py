@@ -196,7 +196,7 @@ class _Ticker:
 
 def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, profile: bool = False,
                    cutlass: bool = False, extra_cflags=(), extra_cuda_cflags=(), verbose: bool = False,
-                   quiet: bool = False, variant: str | None = None, defines=()):
+                   quiet: bool = False, variant: str | None = None, defines=(), sm90a: bool = False):
     """Build (if needed) and import one stage's extension.
 
     ``sources`` are file names relative to ``stage_dir``. The build lives in
@@ -208,6 +208,10 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
     own module and build directory. Every build defines KDA_STAGE_NAME, so the
     sources name their stage without a string written by hand
     (common/include/kda_binding.h).
+
+    ``sm90a``: where the target is sm_90 (the H200, or no GPU visible), build for
+    sm_90a instead, the Hopper-only feature set (setmaxnreg, ...); elsewhere the
+    GPU's own architecture, as for every stage.
     """
     if bool(variant) != bool(defines):
         raise ValueError("variant and defines go together")
@@ -224,6 +228,9 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
             raise RuntimeError("CUDA toolkit not found: set CUDA_HOME to the directory holding bin/nvcc "
                                "and include/cuda_runtime.h")
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
+    arch_restore = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if cuda and sm90a and arch_restore == "9.0":
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # for this build only (restored below)
     from torch.utils import cpp_extension
 
     stage_dir = Path(stage_dir)
@@ -271,6 +278,9 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
             if "Error building extension" in str(e):
                 raise CompileError(name, str(e)) from None
             raise
+        finally:
+            if arch_restore is not None:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = arch_restore
     if not quiet and (todo != [] or time.time() - t0 > 5):
         print(f"[kdalab] {name}: built and loaded ({time.time() - t0:.0f} s)", flush=True)
     _LOADED[name] = mod

@@ -352,12 +352,13 @@ def launches(stage_id) -> tuple[list[dict], str]:
 
 def resources(stage_id) -> pd.DataFrame:
     """Per kernel: registers, static shared memory, stack and spills from ptxas
-    -v (sm_90, compiled here: no GPU needed), and next to them the launch
+    -v (sm_90, or sm_90a for a stage built for it; compiled here: no GPU needed), and next to them the launch
     configuration (grid, block, *dynamic* shared memory) of the kernels one
     call launches at the stage's regime shape (see :func:`launches`): ptxas
     cannot see dynamic shared memory, which is sized at launch."""
     stage = load_stage(stage_id)
     rows = resource_usage(STAGES_DIR / STAGE_DIRS[stage.SPEC.id], stage.SOURCES,
+                          arch="sm_90a" if stage.SPEC.extra.get("sm90a") else "sm_90",
                           cutlass=stage.SPEC.extra.get("cutlass", False),
                           extra_flags=getattr(stage, "CUDA_FLAGS", ()))
     df = pd.DataFrame(rows).rename(columns={"smem_bytes": "static_smem_bytes"})

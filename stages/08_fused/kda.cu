@@ -936,61 +936,78 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
 // The fused kernel: prepare and recurrence in one block, no workspace
 // ===========================================================================
 
-// Chunks the prepare warps work on at once (see kda_fused_kernel), and the ring
-// depth of the fused kernel: a multiple of it, so that the chunks of a step take
-// neighbouring slots.
-constexpr int kPrepChunks = 2;
-constexpr int kFusedStages = 2 * kPrepChunks;
+// The prepare of the fused kernel (see kda_fused_kernel): kPrepTeams teams of
+// 4 warps, each team taking kPrepChunks chunks per step, and the ring depth: a
+// multiple of both, so that a step's chunks take neighbouring slots and the
+// teams' slots never meet.
+constexpr int kPrepTeams = 2;
+constexpr int kPrepChunks = 1;
+constexpr int kFusedStages = 2 * kPrepTeams * kPrepChunks;
+constexpr int kPrepThreads = kPrepTeams * kThreads;
 
-// Shared memory of the fused kernel: the prepare's scratch, one per chunk of a
-// step, and the ring of prepared chunks (K = V = 128, 8 compute warps: about 160 KB).
+// Registers per thread after the block is running, where the fused kernel's warps
+// outnumber what 168 registers each allow (8 compute warps: 16 warps, 128 each at
+// launch): setmaxnreg hands the prepare warps' spare registers to the compute
+// warps, whose register-resident state needs about 150 (sm_90a only; the sum is
+// the register file, 8 x 32 x (104 + 152) = 65536).
+constexpr int kPrepRegs = 104, kComputeRegs = 152;
+
+// Shared memory of the fused kernel: one prepare scratch per team and chunk of a
+// step, and the ring of prepared chunks (K = V = 128, 8 compute warps: about 185 KB).
 template <int K, int V, int NCW>
 struct FusedSmem {
-  K1Smem<K, V> prep[kPrepChunks];
+  K1Smem<K, V> prep[kPrepTeams][kPrepChunks];
   K2Smem<K, NCW, kFusedStages> ring;
 };
 
-// The barrier of the 4 prepare warps alone (named barrier 1; the compute warps
-// never take part, and __syncthreads' barrier 0 is used once, at the start).
-__device__ __forceinline__ void prep_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory"); }
+// The barrier of one prepare team's 4 warps (named barrier 1 + team; the other
+// team and the compute warps never take part, and __syncthreads' barrier 0 is
+// used once, at the start).
+__device__ __forceinline__ void prep_sync(int team) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "n"(kThreads) : "memory");
+}
 
 // ---------------------------------------------------------------------------
 // kda_fused_kernel -- K1 and K2 in one block per (b, h, 16 * NCW value columns):
-// warps 0-3 run the prepare's five phases, straight into the ring slots of the
-// chunks (instead of the workspace in global memory), and warps 4 .. 4 + NCW - 1
-// run recurrence_warp on the ring exactly as in K2. The 4 prepare warps replace
+// warps 0 .. 8 - 1 run the prepare's five phases, straight into the ring slots of
+// the chunks (instead of the workspace in global memory), and warps 8 .. 8 + NCW - 1
+// run recurrence_warp on the ring exactly as in K2. The prepare warps replace
 // K2's load warp: what it copied from the workspace, they compute.
 //
 // The prepare is a chain of short dependent steps (warp sums, MUFU, shared
-// loads) run by one warp per scheduler: alone, a warp mostly waits on its own
-// latencies. So the prepare warps take kPrepChunks = 2 chunks per step, each
-// in its own scratch: every phase runs for both chunks between the same two
-// barriers (straight-line code, which the compiler interleaves), and the two
-// inverses run on warps 0 and 1 side by side. The global loads of the next
-// step's chunks are issued before the phases of this step, so only the first
-// step waits for memory. A chunk past the end (odd NT) is prepared from zero
-// rows into its slot and never handed over.
+// loads): alone on its scheduler, a warp mostly waits on its own latencies.
+// So there are two prepare teams of 4 warps (kPrepTeams), each with its own
+// scratch and named barrier: team t prepares chunks t, t + 2, t + 4, ... (the
+// ring's slots t and t + 2), and while one team waits on a latency the other's
+// warp on the same scheduler issues. Inside a team the phases' work is written
+// interleaved (stage_rows, decay_columns). Each team issues its next chunk's
+// global loads before the phases of the current one, so only the first chunk
+// waits for memory. With 8 compute warps the block is 16 warps, and setmaxnreg
+// moves registers from the prepare warps (kPrepRegs) to the compute warps
+// (kComputeRegs).
 //
 // Nothing is written to global memory but o and ht; the price is that the
 // prepare, chunk-parallel in K1, becomes a serial stream per block beside the
 // recurrence it feeds.
 // grid = B*H*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice), block =
-// 32 * (4 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
+// 32 * (8 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
-// Profile: slot = block index; thread 0 times the prepare (K1 regions summed
-// over the block's steps; K2L_ISSUE = stage_rows + the next step's loads;
-// K2L_WAIT_SLOT = the prepare warps' barrier and the wait for free slots),
+// Profile: slot = block index; thread 0 of each team times its prepare (K1
+// regions summed over all chunks; K2L_ISSUE = stage_rows + the next chunk's
+// loads; K2L_WAIT_SLOT = the team's barrier and the wait for a free slot),
 // compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW>
-__global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
+__global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
   constexpr int VC = VW * NCW;  // value columns per block
   constexpr int NS = V / VC;    // column slices per head
   constexpr int kStages = kFusedStages;
   constexpr int P = kPrepChunks;
-  constexpr int kPrepWarps = kThreads / 32;
+  constexpr int kPrepWarps = kPrepThreads / 32;
+  constexpr bool kMoveRegs = kPrepWarps + NCW > 12;  // more than 168 registers a thread cannot be had at launch
   static_assert(V % VC == 0, "V multiple of 16 * NCW");
-  static_assert(kStages % P == 0 && P <= kPrepWarps, "a step's chunks in neighbouring slots, one inverse per warp");
+  static_assert(kStages % (kPrepTeams * P) == 0 && P <= kThreads / 32, "a step's chunks in neighbouring slots");
+  static_assert(kPrepWarps % 4 == 0, "the compute warps start a warpgroup (setmaxnreg acts per warpgroup)");
   extern __shared__ __align__(16) unsigned char kda_smem[];
   FusedSmem<K, V, NCW>& sm = *reinterpret_cast<FusedSmem<K, V, NCW>*>(kda_smem);
 
@@ -998,26 +1015,32 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
   const int bh = (int)(blockIdx.x / NS), col0 = (int)(blockIdx.x % NS) * VC;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&sm.ring.full[s], kThreads);    // every prepare thread arrives after its writes
+      mbar_init(&sm.ring.full[s], kThreads);    // every thread of the preparing team arrives after its writes
       mbar_init(&sm.ring.empty[s], 32 * NCW);
     }
   }
   __syncthreads();  // the barriers exist before any warp uses them
 
   if (warp < kPrepWarps) {
-    // =================== the prepare warps: producer of the ring ===================
-    const int tid = threadIdx.x, b = bh / p.H, h = bh % p.H;
+    // =================== the prepare teams: producers of the ring ===================
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kMoveRegs) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPrepRegs));
+#endif
+    const int team = warp / 4, tid = threadIdx.x % kThreads, twarp = warp % 4;
+    const int b = bh / p.H, h = bh % p.H;
+    K1Smem<K, V>* scratch = sm.prep[team];
     KDA_PROF_START(tp);
     const GateParams<K> gp = gate_params<K>(p, h, lane);  // once per block, not per chunk
     RawRows<K, V> raw[P];
+    constexpr int kStride = kPrepTeams * P;  // chunks between two steps of one team
 #pragma unroll
-    for (int x = 0; x < P; ++x) load_rows(p, b, h, x, warp, lane, raw[x]);
-    for (int n = 0; n < p.NT; n += P) {  // chunk n + x in slot (n + x) % kStages
-      prep_sync();  // the last step's phases are done with the scratch
+    for (int x = 0; x < P; ++x) load_rows(p, b, h, team * P + x, twarp, lane, raw[x]);
+    for (int n = team * P; n < p.NT; n += kStride) {  // chunk n + x in slot (n + x) % kStages
+      prep_sync(team);  // the team's last step is done with its scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      stage_rows<K, V, true, P>(sm.prep, p, gp, n, warp, lane, raw);
+      stage_rows<K, V, true, P>(scratch, p, gp, n, twarp, lane, raw);
 #pragma unroll
-      for (int x = 0; x < P; ++x) load_rows(p, b, h, n + P + x, warp, lane, raw[x]);  // past T: zero rows, no load
+      for (int x = 0; x < P; ++x) load_rows(p, b, h, n + kStride + x, twarp, lane, raw[x]);  // past T: zero rows
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
       // slot s is refilled once the compute warps released chunk m - kStages
 #pragma unroll
@@ -1026,7 +1049,7 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
         if (m >= kStages) mbar_wait(&sm.ring.empty[m % kStages], (m / kStages - 1) & 1);
       }
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      prep_sync();
+      prep_sync(team);
       {
         bf16* qd_out[P];
         bf16* krT_out[P];
@@ -1038,27 +1061,27 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
           krT_out[x] = &st.krT[0][0];
           el_out[x] = st.el;
         }
-        decay_columns<K, V, K + kPad, BT + kPad, true, false, P>(sm.prep, p, tid, qd_out, krT_out, el_out);
+        decay_columns<K, V, K + kPad, BT + kPad, true, false, P>(scratch, p, tid, qd_out, krT_out, el_out);
       }
-      prep_sync();
+      prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
 #pragma unroll
       for (int x = 0; x < P; ++x) {
         K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
-        products<K, V, BT + kPad>(sm.prep[x], tid, &st.qd[0][0], &st.Aqk[0][0]);
+        products<K, V, BT + kPad>(scratch[x], tid, &st.qd[0][0], &st.Aqk[0][0]);
       }
-      prep_sync();
+      prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
-      if (warp < P) invert(sm.prep[warp], lane);  // the step's inverses side by side, one warp each
-      prep_sync();
+      if (twarp < P) invert(scratch[twarp], lane);  // a step's inverses side by side, one warp each
+      prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
 #pragma unroll
       for (int x = 0; x < P; ++x) {
         K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
-        w_u<K, V, K + kPad, VC>(sm.prep[x], tid, &st.w[0][0], &st.u[0][0], col0);
+        w_u<K, V, K + kPad, VC>(scratch[x], tid, &st.w[0][0], &st.u[0][0], col0);
       }
       // release: this thread's writes to the slots are ordered before the compute
-      // warps' reads, which wait for all 128 arrivals
+      // warps' reads, which wait for all 128 arrivals of the team
 #pragma unroll
       for (int x = 0; x < P; ++x)
         if (n + x < p.NT) mbar_arrive(&sm.ring.full[(n + x) % kStages]);
@@ -1067,7 +1090,10 @@ __global__ void __launch_bounds__(32 * (kThreads / 32 + NCW), 1) kda_fused_kerne
     return;
   }
 
-  // ===================== compute warps 4 .. 4 + NCW - 1 =====================
+  // ===================== compute warps 8 .. 8 + NCW - 1 =====================
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kMoveRegs) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kComputeRegs));
+#endif
   const int cw = warp - kPrepWarps;
   recurrence_warp<K, V, NCW>(sm.ring, p, bh, col0 + cw * VW, cw, lane);
 }
@@ -1124,7 +1150,7 @@ template <int K, int V, int NCW>
 cudaError_t launch_fused(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.B * p.H * (V / (VW * NCW));
   const size_t smem = sizeof(FusedSmem<K, V, NCW>);
-  const int threads = kThreads + 32 * NCW;
+  const int threads = kPrepThreads + 32 * NCW;
   KDA_RETURN_IF_ERROR(kda_allow_smem(kda_fused_kernel<K, V, NCW>, smem));
   kda_note_launch("kda_fused_kernel", (const void*)kda_fused_kernel<K, V, NCW>, dim3((unsigned)blocks), dim3(threads), smem);
   kda_fused_kernel<K, V, NCW><<<(unsigned)blocks, threads, smem, stream>>>(p);

@@ -47,7 +47,8 @@ SPEC = StageSpec(
         "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
     ),
     region_unit="cycles",
-    extra={"cutlass": True, "min_sm": 80},
+    # sm90a: on the H200 (or with no GPU) built for sm_90a, whose setmaxnreg the fused kernel uses
+    extra={"cutlass": True, "min_sm": 80, "sm90a": True},
 )
 
 # The ideas of this stage that can be turned off one at a time (common/ablation.py).
@@ -67,7 +68,7 @@ def build(profile=False, verbose=False, ablation=None):
     """Compile (or load the cached build of) this stage's extension; ``ablation``
     names one of ABLATIONS to build with that idea turned off."""
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
-                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, sm90a=SPEC.extra["sm90a"],
                           **ablation_build_args(ABLATIONS, ablation))
 
 
