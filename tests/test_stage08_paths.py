@@ -84,19 +84,23 @@ def test_rule_picks_the_split_width_by_the_sm_count():
 
 
 @gpu
-def test_rule_takes_the_fused_kernel_once_the_heads_fill_two_thirds_of_the_sms():
-    """The rule at V = 128: the fused kernel (8 compute warps, grid B*H) once
-    3 B*H >= 2 SMs, the split path below; V = 64 stays split at any B*H."""
+def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms():
+    """The rule at V = 128: the fused kernel with 8 compute warps (grid B*H) once
+    3 B*H >= 2 SMs, with 4 (grid 2 B*H) where SMs <= 3 B*H and 2 B*H <= SMs, the
+    split path elsewhere; V = 64 stays split at any B*H."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    h_fused = -(-2 * sms // 3)  # the fewest heads that take the fused kernel
-    for H, KV, want in ((h_fused, 128, "fused"), (h_fused - 1, 128, "split"), (2 * sms, 64, "split")):
+    h8 = -(-2 * sms // 3)  # the fewest heads that take fused8
+    h4 = -(-sms // 3)      # the fewest heads that take fused4
+    cases = ((h8, 128, 8), (h8 - 1, 128, None), (sms // 2, 128, 4), (h4, 128, 4), (h4 - 1, 128, None),
+             (2 * sms, 64, None))
+    for H, KV, ncw in cases:
         inp = checks.case_inputs(checks.Case(1, 40, H, KV, KV, chunk=16, gate="bounded", lower_bound=-5.0),
                                  "cuda", torch.bfloat16)
         S08.forward(**inp)
         launched = S08.build().launches()
         kernels = {x["kernel"] for x in launched}
-        if want == "fused":
-            assert kernels == nb.FUSED_KERNELS and launched[0]["grid"] == H, (H, KV, launched)
+        if ncw:
+            assert kernels == nb.FUSED_KERNELS and launched[0]["grid"] == H * KV // (16 * ncw), (H, KV, launched)
         else:
             assert kernels == nb.SPLIT_KERNELS, (H, KV, launched)
 

@@ -1200,17 +1200,23 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const long long bhs = (long long)p.B * p.H;
-  // The fused kernel (eight compute warps, one block per head) once the heads
-  // fill about two thirds of the SMs or more, at V = 128: measured 0.38 against
-  // 0.42-0.48 ms at 160 and 192 heads, 1.52 against 1.74 ms at 96 heads x 8192
-  // tokens, 0.77 against 1.16 ms at 512 heads, and slower at 64 heads (its
-  // blocks would leave half the SMs idle: 0.20 against 0.17 ms). Below that,
-  // and at V = 64 (not measured fused at many heads), the split path: two
-  // compute warps per K2 block as soon as those blocks still cover the SMs
-  // once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
+  // At V = 128 the fused kernel where its blocks fill the SMs: eight compute
+  // warps (one block per head) once the heads fill about two thirds of the SMs,
+  // four (two blocks per head, each preparing every chunk) where that doubling
+  // fills one to two thirds without a second wave. Measured (paths table): fused8
+  // 0.72 against 1.16 ms for the split path at 512 heads and 1.41 against 1.72 ms
+  // at 96 heads; fused4 0.133 against 0.163 ms and 1.01 against 1.18 ms at 64
+  // heads (there fused8, with half the SMs idle, is slower than the split path).
+  // Below that, and at V = 64 (not measured fused at many heads), the split
+  // path: two compute warps per K2 block as soon as those blocks still cover the
+  // SMs once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
   // heads). docs/PERF_NOTES.md, results/h200/stage08/.
   if (p.V == 128 && 3 * bhs >= 2LL * sms) {
     *plan = KdaPlan{true, 8};
+    return cudaSuccess;
+  }
+  if (p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
+    *plan = KdaPlan{true, 4};
     return cudaSuccess;
   }
   *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= sms ? 2 : 1};

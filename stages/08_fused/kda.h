@@ -83,10 +83,11 @@ struct KdaPlan {
 };
 
 // The plan for these sizes on the current device: want_fused < 0 picks by the
-// stage's rule (fused with 8 compute warps when V = 128 and 3 B*H >= 2 SMs;
-// otherwise split, ncw = 2 when B*H*V/32 >= the number of SMs, else 1);
-// want_fused 0/1 with want_ncw asks for one path (cudaErrorInvalidValue if it
-// does not exist). Sizes this stage does not support: cudaErrorInvalidValue.
+// stage's rule (at V = 128: fused with 8 compute warps when 3 B*H >= 2 SMs,
+// fused with 4 when SMs <= 3 B*H and 2 B*H <= SMs; otherwise split, ncw = 2
+// when B*H*V/32 >= the number of SMs, else 1); want_fused 0/1 with want_ncw asks
+// for one path (cudaErrorInvalidValue if it does not exist). Sizes this stage
+// does not support: cudaErrorInvalidValue.
 cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan);
 
 // Launch the plan on `stream`: split = K1 (grid BH * NT) then K2 (grid BH * V / (16 ncw));
