@@ -696,7 +696,7 @@ def paths_plot(stage_id="08"):
     """The figure of :func:`paths_table`: per shape, the GPU time of the
     previous stage, the rule, every path and FlashKDA, coloured against the
     previous stage, and the peak memory of the split path (the previous
-    stage's and the rule's), the fused path and FlashKDA. Live rows and
+    stage's), the rule (split or fused by size), the fused path and FlashKDA. Live rows and
     recorded ones are told apart in the row labels when both are shown."""
     sid = normalize(stage_id)
     rows = _say_paths(sid)
@@ -718,7 +718,7 @@ def paths_plot(stage_id="08"):
     where = {bench.shape_label(r): r["where"] for r in rows}
     mixed = len(set(where.values())) > 1
     labels = [s + (f" ({where[s]})" if mixed else "") for s in shapes]
-    mem = [(f"split ({pid}, rule)", "rule"), ("fused (any width)", "fused"), (FLASHKDA, FLASHKDA)]
+    mem = [(f"split ({pid})", pid), ("rule", "rule"), ("fused (any width)", "fused"), (FLASHKDA, FLASHKDA)]
     meta = _paths(sid)[2] or {}
     if mixed:
         src = "live and recorded rows"
@@ -743,19 +743,27 @@ FUSED_PREPARE = {
     "K2 producer: wait (free slot, barrier)": "barrier, free slot",
 }
 FUSED_COMPUTE_WAIT = "K2: wait for operands"
+# The fused kernel's prepare teams (stages/08_fused/kda.cu, kPrepTeams): thread 0 of
+# each team adds its timeline to the block's prepare regions, so these hold the sum
+# of the teams' timelines, each spanning the block's lifetime. (The recorded file
+# is of a kernel with this many teams: results.PATHS_RECORDED.)
+FUSED_PREP_TEAMS = 2
 
 
-def chunk_profile(prof: dict, T: int, chunk: int = 16) -> dict:
+def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int = FUSED_PREP_TEAMS) -> dict:
     """A profile of the fused kernel (region -> clock64 cycles per block, mean
-    over blocks) per chunk: {"prepare warps": {region: cycles / NT},
-    "compute warps": {...}} with NT = ceil(T / chunk), the regions in the order
-    a chunk goes through them. The two groups time the same block side by side,
-    so their totals must agree (within 5%); otherwise this is not one fused
-    block's profile (a split path's, or a region missing): ValueError."""
+    over blocks) per chunk: {"prepare warps": {region: cycles / (teams NT)},
+    "compute warps": {region: cycles / NT}} with NT = ceil(T / chunk), the
+    regions in the order a chunk goes through them; the prepare regions are the
+    sum over the kernel's ``teams`` prepare teams, each working on every
+    teams-th chunk, so they are shown per team (a team's cycles per chunk of the
+    block). The two groups time the same block side by side, so their totals
+    must agree (within 5%); otherwise this is not one fused block's profile (a
+    split path's, a region missing, the wrong team count): ValueError."""
     if T < 1:
         raise ValueError(f"T must be positive, got {T}")
     nt = -(-T // chunk)
-    prep = {r: prof[r] / nt for r in FUSED_PREPARE if r in prof}
+    prep = {r: prof[r] / (nt * teams) for r in FUSED_PREPARE if r in prof}
     comp = {FUSED_COMPUTE_WAIT: prof.get(FUSED_COMPUTE_WAIT, 0.0) / nt}
     comp.update({r: v / nt for r, v in prof.items() if r.startswith("K2:") and r != FUSED_COMPUTE_WAIT})
     missing = [r for r in list(FUSED_PREPARE) + [FUSED_COMPUTE_WAIT] if r not in prof]
@@ -826,7 +834,7 @@ def fused_profile(stage_id="08"):
     print(f"per chunk: prepare warps {tot['prepare']:.3g} cycles; compute warps {tot['compute']:.3g} "
           f"(waiting for operands {tot['wait']:.3g}, the chain {tot['chain']:.3g})")
     ncw = load_stage(stage_id).PATHS[row["path"]][1]
-    bars = {"4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
+    bars = {f"{FUSED_PREP_TEAMS} x 4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
     labels = dict(FUSED_PREPARE, **{FUSED_COMPUTE_WAIT: "waiting for the prepare warps"})
     first = next(r for r in groups["compute warps"] if r != FUSED_COMPUTE_WAIT)
     chain = format_total(tot["chain"], "cycles").replace(" cycles", "")

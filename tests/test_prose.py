@@ -28,7 +28,7 @@ from itertools import combinations
 
 import pytest
 
-from common.notebook import FUSED_KERNELS, chunk_profile, chunk_totals
+from common.notebook import FUSED_KERNELS, FUSED_PREP_TEAMS, chunk_profile, chunk_totals
 from common.paths import REPO_ROOT, RESULTS_DIR
 from common.report import README_END, README_START
 
@@ -114,10 +114,13 @@ def _pools():
             if isinstance(r.get("profile"), dict):  # an ablation row: its region profile, cycles per block
                 values.update(float(v) for v in r["profile"].values() if v)
                 if set(r.get("kernels") or ()) == FUSED_KERNELS:  # a fused-kernel row: its timeline per chunk too
-                    try:
-                        groups = chunk_profile(r["profile"], r["T"])
-                    except ValueError:  # an early profile without the producer's regions
-                        groups = None
+                    groups = None
+                    for teams in (FUSED_PREP_TEAMS, 1):  # two prepare teams since 3758aa5, one before
+                        try:
+                            groups = chunk_profile(r["profile"], r["T"], teams=teams)
+                            break
+                        except ValueError:  # another team count, or an early profile without the producer's regions
+                            pass
                     if groups is not None:
                         values.update(v for g in groups.values() for v in g.values())
                         values.update(chunk_totals(groups).values())

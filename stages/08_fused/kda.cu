@@ -28,15 +28,17 @@
 //   * The price: K1 prepared all chunks of all heads at once over every SM; in
 //     the fused kernel each block prepares its chunks one after the other, and
 //     the recurrence can go no faster than that stream. The prepare is a chain
-//     of short dependent steps run by one warp per scheduler, so what pays is
-//     latency hidden inside that warp: fast approximations without slow-path
-//     branches (stage_rows<kFast>, decay_columns<kFast>), two chunks per step
-//     with their work interleaved in the source, every shared load of a phase
-//     before its stores. Measured on the H200 (docs/PERF_NOTES.md) it went from
-//     1.4e4 to about 4e3 cycles per chunk, and the fused kernel is faster than
-//     K1 + K2 once the heads fill about two thirds of the SMs: the stage's rule
-//     (kda_fwd_plan, see kda.h) takes it there, at V = 128, and the split path
-//     elsewhere. The binding allocates the workspace only for the split path.
+//     of short dependent steps, so what pays is latency hidden: fast
+//     approximations without slow-path branches (stage_rows<kFast>,
+//     decay_columns<kFast>), each phase's work interleaved in the source,
+//     every shared load of a phase before its stores, and two prepare teams of
+//     4 warps on alternate chunks (with 8 compute warps, setmaxnreg moves
+//     registers from the prepare warps to the compute warps: sm_90a). Measured
+//     on the H200 (docs/PERF_NOTES.md) it went from 1.4e4 to 4.9e3 cycles per
+//     chunk (3.6e3 with 4 compute warps), and the fused kernel is faster than
+//     K1 + K2 wherever its blocks fill the SMs: the stage's rule (kda_fwd_plan,
+//     see kda.h) takes it there, at V = 128, and the split path elsewhere. The
+//     binding allocates the workspace only for the split path.
 //
 //   * The split path's K2 is two compute warps wide as soon as those blocks
 //     cover the SMs once (stage 07 asked for twice), and K1 keeps each row's

@@ -1,17 +1,19 @@
 """Stage 08: stage 07 plus a fused path, forward only.
 
-The fused path is one kernel: in each block four prepare warps run K1's
+The fused path is one kernel: in each block eight prepare warps run K1's
 phases chunk after chunk into a shared-memory ring and the compute warps run
 stage 07's register-resident recurrence on it. The per-chunk workspace (about
 1.3 KB per token and head, written once and read back by every column slice)
-disappears, and with it most of the peak memory. Its prepare warps take two
-chunks per step, with fast approximations and their work interleaved, so that
-they keep pace with the recurrence. The stage's rule (measured on the H200):
-the fused kernel with eight compute warps once B*H fills about two thirds of
-the SMs at V = 128; otherwise stage 07's split path (K1 chunk-parallel over
-every SM, then K2), two compute warps per K2 block once B*H*V/32 covers the
-SMs. ``path`` pins one path for the benchmark and the tests; ``frag_check`` is
-stage 07's fragment identity.
+disappears, and with it most of the peak memory. Its prepare warps are two
+teams on alternate chunks, with fast approximations and their work
+interleaved, so that they keep pace with the recurrence; with eight compute
+warps setmaxnreg moves registers from the prepare warps to them, so the stage
+builds for sm_90a on the H200. The stage's rule (measured on the H200), at V = 128: the fused kernel
+with eight compute warps once B*H fills about two thirds of the SMs, with four
+(two blocks per head) where those blocks fill one to two thirds; otherwise
+stage 07's split path (K1 chunk-parallel over every SM, then K2), two compute
+warps per K2 block once B*H*V/32 covers the SMs. ``path`` pins one path for the
+benchmark and the tests; ``frag_check`` is stage 07's fragment identity.
 """
 
 from pathlib import Path
