@@ -136,6 +136,8 @@ def test_chunk_profile_refuses_what_is_not_one_fused_block():
         notebook.chunk_profile(prof, 0)
     with pytest.raises(ValueError, match="no K1: inverse"):
         notebook.chunk_profile({k: v for k, v in prof.items() if k != "K1: inverse"}, 1024)
+    with pytest.raises(ValueError, match="must span the same time"):  # read as one prepare team: twice the block's time
+        notebook.chunk_profile(prof, 1024, teams=1)
     with pytest.raises(ValueError, match="must span the same time"):  # a region lost its time
         notebook.chunk_profile(dict(prof, **{"K2 producer: issue loads (+ stage rows, fused)": 0.0}), 1024)
     split = _row(PROF[1], "08", "split2")["profile"]  # K1's regions per K1 block: not one block's timeline
