@@ -21,3 +21,27 @@ def test_cuda_stage_compiles(sid, profile):
     assert hasattr(ext, "fwd")
     if load_stage(sid).SPEC.backward:
         assert hasattr(ext, "bwd")
+
+
+@pytest.mark.parametrize("target,want", [("9.0", "9.0a"), ("8.0", "8.0")])
+def test_an_sm90a_build_changes_the_target_for_that_build_only(monkeypatch, tmp_path, target, want):
+    """load_extension(sm90a=True) (stage 08: setmaxnreg) builds for sm_90a where
+    the target is sm_90 and leaves every other target alone; the process's
+    TORCH_CUDA_ARCH_LIST is the same after the build, so the next stage builds
+    for the GPU's own architecture again."""
+    import os
+
+    from torch.utils import cpp_extension
+
+    from common import build
+
+    if find_cuda_home() is None:
+        pytest.skip("no CUDA toolkit here")
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(os.environ["TORCH_CUDA_ARCH_LIST"]) or object())
+    monkeypatch.setattr(build, "BUILD_DIR", tmp_path)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", target)
+    build.load_extension(tmp_path, f"arch_probe_{target.replace('.', '')}", ["kda.cu"], cuda=True, sm90a=True,
+                         quiet=True)
+    assert seen == [want] and os.environ["TORCH_CUDA_ARCH_LIST"] == target
+    build._LOADED.pop(build.extension_name(f"arch_probe_{target.replace('.', '')}"), None)
