@@ -572,6 +572,16 @@ __device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdP
   if (lane % 8 == 0) sm.beta[c] = real ? sigmoid_approx(static_cast<float>(r.beta)) : 0.f;
 }
 
+// exp(glast) of key dimension d is stored at el_index(d): the K/8 values that a
+// compute warp's lane multiplies its state rows by (rows d = g + 8 j of the MMA
+// fragment, g = lane / 4, j = 0 .. K/8 - 1) lie side by side, so that the lane
+// reads them with K/32 16-byte loads (one shared-memory wavefront each: 8 lanes,
+// 8 addresses) instead of K/8 single loads.
+template <int K>
+__device__ __forceinline__ int el_index(int d) {
+  return (d % 8) * (K / 8) + d / 8;
+}
+
 // Phase 2: one thread per key dimension d (a column of the chunk).
 //   gc[c] = a[0] + ... + a[c]   (registers; glast = gc[BT - 1], flat over padded tokens)
 //   e = exp(gc) is the only exponential per element: with the bounded gate
@@ -579,7 +589,7 @@ __device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdP
 //   kd = kn e, ki = kn / e, qd = scale qn e   -> shared (bf16)
 //   qd -> out_qd [BT, K] (rows LDQ apart);  kr = kn e^glast / e -> out_krT as kr^T
 //   [K, BT] (rows LDKR apart; row d is this thread's 16 values: two 16-byte
-//   stores);  exp(glast) -> out_el [K].
+//   stores);  exp(glast) -> out_el [K] (at el_index(d)).
 //   kFast (the fused kernel, where this phase is on the critical path): a comes
 //   in log2 units and qn already scaled (stage_row_slices), e and 1/e are two
 //   ex2.approx of +-gc -- about 2e-7 relative error each, far below the bf16
@@ -630,7 +640,7 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
         if constexpr (kQdScratch) sm.qd[c][d] = qd[c];
         out_qd[c * LDQ + d] = qd[c];
       }
-      out_el[d] = el;
+      out_el[el_index<K>(d)] = el;
     } else {
       float gc[BT], acc = 0.f;
 #pragma unroll
@@ -639,7 +649,7 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
         gc[c] = acc;
       }
       const float el = expf(acc);  // exp(glast)
-      out_el[d] = el;
+      out_el[el_index<K>(d)] = el;
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
         const float e = expf(gc[c]);
@@ -660,22 +670,27 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
   }
 }
 
-// Phase 3: L/Aqk products, two 64-thread tiled MMAs side by side (both read ki as B):
-//   warps 0-1:  L   = strict_lower(beta[:, None] * (kd @ ki^T))  -> shared, fp32
-//   warps 2-3:  Aqk = lower_incl_diag(qd @ ki^T)                 -> out_Aqk (rows LDA apart), bf16
+// Phase 3: L/Aqk products, one warp each (both read ki as B; warps 2-3 wait):
+//   warp 0:  L   = strict_lower(beta[:, None] * (kd @ ki^T))  -> shared, fp32
+//   warp 1:  Aqk = lower_incl_diag(qd @ ki^T)                 -> out_Aqk (rows LDA apart), bf16
+// One warp per 16 x 16 product loads its A operand once (two warps side by side,
+// 8 columns each, loaded it twice): shared-memory bandwidth bounds the fused
+// kernel, and the warp's two column tiles are independent chains of the same
+// length as one.
 template <int K, int V, int LDA>
 __device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, const bf16* qd, bf16* out_Aqk) {
-  TiledMma2 mma;
-  const int idx = tid % 64;  // thread index inside its 64-thread MMA
+  WarpMma mma;
+  const int warp = tid / 32, idx = tid % 32;  // warp 0: L, warp 1: Aqk, each loading its A once
+  if (warp > 1) return;
   auto thr_mma = mma.get_slice(idx);
   Tensor sKi = smem_rows<BT, K, K + kPad>(&sm.ki[0][0]);          // (BT,K)   (i, d)
   Tensor cC = make_identity_tensor(Shape<Int<BT>, Int<BT>>{});    // (BT,BT)  -> (c, i)
   Tensor tCcC = thr_mma.partition_C(cC);                          // (MMA,MMA_M,MMA_N)
   Tensor acc = thr_mma.partition_fragment_C(cC);                  // (MMA,MMA_M,MMA_N) fp32
   clear(acc);
-  if (tid < 64) {
+  if (warp == 0) {
     Tensor sKd = smem_rows<BT, K, K + kPad>(&sm.kd[0][0]);        // (BT,K)   (c, d)
-    mma_smem<SM75_U32x2_LDSM_N>(mma, idx, sKd, sKi, acc);                            // kd @ ki^T
+    mma_smem<SM75_U32x2_LDSM_N>(mma, idx, sKd, sKi, acc);         // kd @ ki^T
     Tensor sL = smem_rows<BT, BT, BT>(&sm.L[0][0]);               // (BT,BT)  (c, i)
     Tensor tCsL = thr_mma.partition_C(sL);
     CUTE_UNROLL
@@ -685,7 +700,7 @@ __device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, const bf16* 
     }
   } else {
     Tensor sQd = smem_rows<BT, K, K + kPad>(qd);                  // (BT,K)   (c, d)
-    mma_smem<SM75_U32x2_LDSM_N>(mma, idx, sQd, sKi, acc);                            // qd @ ki^T
+    mma_smem<SM75_U32x2_LDSM_N>(mma, idx, sQd, sKi, acc);         // qd @ ki^T
     Tensor gA = make_tensor(make_gmem_ptr(out_Aqk),
                             make_layout(Shape<Int<BT>, Int<BT>>{}, make_stride(Int<LDA>{}, _1{})));  // (BT,BT)
     Tensor tCgA = thr_mma.partition_C(gA);
@@ -812,7 +827,7 @@ struct K2Slot {
   alignas(16) bf16 krT[K][BT + kPad];   // A (d, c) of kr^T @ vcorr
   alignas(16) bf16 Aqk[BT][BT + kPad];  // A (c, j) of Aqk @ vcorr
   alignas(16) float u[BT][VW * NCW];    // u[c, col0 + vd] of the chunk (the block's columns)
-  alignas(16) float el[K];              // exp(glast) of the chunk
+  alignas(16) float el[K];              // exp(glast) of the chunk, at el_index(d)
 };
 
 // Shared memory of K2: only the ring (K = 128: about 55 KB). The state and
@@ -924,8 +939,20 @@ __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const Kda
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_OSTORE, tp);
 
     // ---- S = diag(exp(glast)) S + kr^T @ vcorr: decay in place, then accumulate ----
-    CUTE_UNROLL
-    for (int e = 0; e < size(rS); ++e) rS(e) *= st.el[get<0>(tCcS(e))];
+    {  // lane (g, t) holds rows d = 16 mt + g + 8 (v / 2) of S: el[g + 8 j] with j = 2 mt + v / 2
+      float elv[K / 8];  // stored at el_index (decay_columns): K/32 16-byte loads
+      CUTE_UNROLL
+      for (int i = 0; i < K / 32; ++i) {
+        const float4 x = *reinterpret_cast<const float4*>(&st.el[(lane / 4) * (K / 8) + 4 * i]);
+        elv[4 * i] = x.x, elv[4 * i + 1] = x.y, elv[4 * i + 2] = x.z, elv[4 * i + 3] = x.w;
+      }
+      CUTE_UNROLL
+      for (int mt = 0; mt < size<1>(rS); ++mt)
+        CUTE_UNROLL
+        for (int nt = 0; nt < size<2>(rS); ++nt)
+          CUTE_UNROLL
+          for (int v = 0; v < 4; ++v) rS(v, mt, nt) *= elv[2 * mt + v / 2];
+    }
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_DECAY, tp);
     mma_smem_reg(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), rVc, rS);
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
