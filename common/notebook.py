@@ -735,7 +735,7 @@ def paths_plot(stage_id="08"):
 # kda_fused_kernel: the prepare warps reuse K1's region ids for K1's phases and
 # the load warp's for the rest), in the order a chunk goes through them.
 FUSED_PREPARE = {
-    "K2 producer: issue loads (+ stage rows, fused)": "stage rows + next chunk's loads",
+    "K2 producer: issue loads (+ stage rows, fused)": "rows +\nnext loads",
     "K1: load+pre-stage": "decay",
     "K1: L/Aqk products": "L, Aqk",
     "K1: inverse": "inverse",
@@ -822,7 +822,7 @@ def _fused_row(stage_id):
 def fused_profile(stage_id="08"):
     """Where a chunk's time goes in the fused kernel: the prepare warps'
     regions against the compute warps' (their wait for operands, then the
-    chain of stage 07's recurrence), clock64 cycles per chunk on one axis
+    recurrence's chain), clock64 cycles per chunk on one axis
     (:func:`chunk_profile`). Live on a GPU (the fused path pinned), else the
     recorded profile (results/h200/stage08/)."""
     got = _fused_row(stage_id)
@@ -835,9 +835,9 @@ def fused_profile(stage_id="08"):
           f"(waiting for operands {tot['wait']:.3g}, the chain {tot['chain']:.3g})")
     ncw = load_stage(stage_id).PATHS[row["path"]][1]
     bars = {f"{FUSED_PREP_TEAMS} x 4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
-    labels = dict(FUSED_PREPARE, **{FUSED_COMPUTE_WAIT: "waiting for the prepare warps"})
+    labels = dict(FUSED_PREPARE, **{FUSED_COMPUTE_WAIT: "waiting for\nthe prepare"})
     first = next(r for r in groups["compute warps"] if r != FUSED_COMPUTE_WAIT)
     chain = format_total(tot["chain"], "cycles").replace(" cycles", "")
-    return plot_chunk_timeline(bars, labels=labels, brace=(f"{ncw} compute warps", first, f"stage 07's chain: {chain}"),
+    return plot_chunk_timeline(bars, labels=labels, brace=(f"{ncw} compute warps", first, f"the chain: {chain}"),
                                title=f"The fused kernel ({row['path']}) per chunk, {bench.shape_label(row)} "
                                      f"({'measured live' if where == 'live' else 'recorded on the H200'})")

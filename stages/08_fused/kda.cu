@@ -1084,7 +1084,7 @@ __device__ __forceinline__ void prep_sync(int team) {
 // scratch and named barrier: team t prepares chunks t, t + 2, t + 4, ... (the
 // ring's slots t and t + 2), and while one team waits on a latency the other's
 // warp on the same scheduler issues. Inside a team the phases' work is written
-// interleaved (stage_rows, decay_columns). Each team issues its next chunk's
+// interleaved (stage_row_slices, decay_columns). Each team issues its next chunk's
 // global loads before the phases of the current one, so only the first chunk
 // waits for memory. With 8 compute warps the block is 16 warps, 128 registers
 // each: enough for both since the compute warps' B fragments are written as
@@ -1098,7 +1098,7 @@ __device__ __forceinline__ void prep_sync(int team) {
 // 32 * (8 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
 // Profile: slot = block index; thread 0 of each team times its prepare (K1
-// regions summed over all chunks; K2L_ISSUE = stage_rows + the next chunk's
+// regions summed over all chunks; K2L_ISSUE = stage_row_slices + the next chunk's
 // loads; K2L_WAIT_SLOT = the team's barrier and the wait for a free slot),
 // compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
