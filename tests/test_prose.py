@@ -79,14 +79,17 @@ def _walk(obj, key=""):
             yield from _walk(v, key)
 
 
-def _pools():
-    """(latencies in ms, errors and cycle counts, latencies by shape, peak memories in MB) of every results file."""
+def _pools(commit=None):
+    """(latencies in ms, errors and cycle counts, latencies by shape, peak memories in MB) of every results file
+    (``commit``: only the files recorded at that commit, by their metadata)."""
     ms, values, by_shape, mb = set(), set(), {}, set()
     anchors = sorted((RESULTS_DIR / "anchors").glob("*.json"))
     for p in RESULTS_DIR.rglob("*.json"):
         if p in anchors[:-1]:  # the newest anchor is the reference; older ones are history
             continue
         data = json.loads(p.read_text())
+        if commit is not None and commit not in str((data.get("meta") or {}).get("commit", "") if isinstance(data, dict) else ""):
+            continue
         for k, v in _walk(data):
             if k.endswith("_ms") and "min" not in k:
                 ms.add(v)
@@ -205,3 +208,39 @@ def test_the_prose_check_catches_a_stale_figure():
 @pytest.mark.parametrize("doc", [d for d, _ in _docs()])
 def test_documents_are_found(doc):
     assert (REPO_ROOT / doc).exists()
+
+
+SHA = re.compile(r"\bcommit ([0-9a-f]{7})\b")
+
+
+def _stale_in_notebook_cells(pools_of):
+    """Figures of a notebook markdown cell that names one commit ("Recorded ... commit abc1234") and that no
+    results file recorded at that commit backs: such a cell describes that record, not any record."""
+    bad = []
+    for p in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
+        for i, c in enumerate(json.loads(p.read_text())["cells"]):
+            text = "".join(c["source"])
+            shas = set(SHA.findall(text))
+            if c["cell_type"] != "markdown" or len(shas) != 1:
+                continue
+            ms, values, by_shape, mb = pools_of(shas.pop())
+            ratios = {a / b for vals in by_shape.values() for x, y in combinations(sorted(vals), 2)
+                      for a, b in ((x, y), (y, x))}
+            pool = {"time": ms | {v / 1e3 for v in ms}, "value": values, "ratio": ratios, "memory": mb}
+            for line in text.splitlines():
+                for rx, kind in PATTERNS:
+                    for m in rx.finditer(line):
+                        for g in (m.group(1), m.group(2)):
+                            if g is not None and _sig(g.split("e")[0]) >= 2 and not _matches(g, pool[kind]):
+                                bad.append(f"{p.name} cell {i}: {g} ({kind}) in: {line.strip()[:120]}")
+    return bad
+
+
+def test_a_notebook_cell_naming_a_commit_quotes_that_record():
+    bad = _stale_in_notebook_cells(_pools)
+    assert not bad, "figures that the record of the named commit does not hold:\n" + "\n".join(bad)
+
+
+def test_the_commit_check_catches_figures_of_another_record():
+    """Planted: the cells read against the record before (e5fe0ee) must fail, since they quote 43a6112's."""
+    assert _stale_in_notebook_cells(lambda sha: _pools("e5fe0ee" if sha == "43a6112" else sha))
