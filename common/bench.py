@@ -54,6 +54,23 @@ def shape_label(s: dict) -> str:
     return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
 
 
+def parse_shape(text: str) -> dict:
+    """The shape of a label ("B8 T1024 H64 K128 V128", the inverse of :func:`shape_label`)."""
+    try:
+        d = {tok[0]: int(tok[1:]) for tok in text.split()}
+        return dict(B=d["B"], T=d["T"], H=d["H"], K=d["K"], V=d["V"])
+    except (KeyError, ValueError, IndexError):
+        raise ValueError(f"a shape is 'B.. T.. H.. K.. V..' (positive integers), got {text!r}") from None
+
+
+def path_inputs(shape: dict, device="cuda") -> dict:
+    """The inputs of every path measurement of a stage with several paths (:func:`path_rows`, the
+    notebook's live profile, scripts/ncu_case.py, scripts/try_variants.py): seed 0, bf16, bounded
+    gate (lower bound -5), chunk 16."""
+    return make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
+                       device=device, gate="bounded", lower_bound=-5.0, chunk_size=16)
+
+
 LONG_CALL_S = 0.05  # above this, launch overhead is noise: no graph replay, fewer repetitions
 VERY_LONG_CALL_S = 0.5  # above this, the first call is the warm-up and two more are timed
 
@@ -291,8 +308,7 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
     stage = load_stage(stage_id)
     pid = previous(stage_id)
     prev = load_stage(pid)
-    kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
-                     device="cuda", gate="bounded", lower_bound=-5.0, chunk_size=16)
+    kw = path_inputs(shape)
     with torch.no_grad():
         o_ref, S_ref = prev.forward(**kw)
     paths = [None] + [n for n, (_, ncw) in stage.PATHS.items() if 16 * ncw <= shape["V"]]

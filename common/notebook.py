@@ -794,12 +794,9 @@ def _fused_row(stage_id):
     path, shape = info["profile_path"], info["profile_shape"]
     ok, why = stage.SPEC.runnable_here()
     if ok:
-        from .inputs import make_inputs
-
         print(f"profiling {stage.SPEC.name} ({path}) live at {bench.shape_label(shape)} ...", flush=True)
         build(sid)
-        kw = make_inputs(**shape, seed=0, dtype=torch.bfloat16, device="cuda", gate="bounded", lower_bound=-5.0,
-                         chunk_size=16)
+        kw = bench.path_inputs(shape)
         with stage.path(path):
             prof = stage.profile(**kw)
             kernels = [x["kernel"] for x in stage.build(profile=True).launches()]

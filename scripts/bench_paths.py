@@ -32,11 +32,7 @@ LONG_SHAPE = dict(B=1, T=32768, H=16, K=128, V=128)
 
 
 def parse_shapes(text):
-    out = []
-    for item in text.split(";"):
-        d = {tok[0]: int(tok[1:]) for tok in item.split()}
-        out.append(dict(B=d["B"], T=d["T"], H=d["H"], K=d["K"], V=d["V"]))
-    return out
+    return [bench.parse_shape(item) for item in text.split(";") if item.strip()]
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.inputs import make_inputs  # noqa: E402
+from common import bench  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
 
@@ -30,10 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--path", default=None, help="a name of the stage's PATHS (pinned), or the stage's rule")
     p.add_argument("--shape", default="B8 T1024 H64 K128 V128")
     args = p.parse_args(argv)
-    d = {tok[0]: int(tok[1:]) for tok in args.shape.split()}
     stage = load_stage(args.stage)
-    kw = make_inputs(d["B"], d["T"], d["H"], d["K"], d["V"], seed=0, dtype=torch.bfloat16, device="cuda",
-                     gate="bounded", lower_bound=-5.0, chunk_size=16)
+    kw = bench.path_inputs(bench.parse_shape(args.shape))
     with stage.path(args.path) if args.path else nullcontext(), torch.no_grad():
         for _ in range(2):  # warm-up, then the profiled call
             stage.forward(**kw)

@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 
 from common import bench  # noqa: E402
 from common.build import load_extension  # noqa: E402
-from common.inputs import make_inputs  # noqa: E402
 from common.results import metadata  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
@@ -58,8 +57,7 @@ def parse_cases(text: str) -> list[tuple[str, dict]]:
     out = []
     for item in filter(None, (x.strip() for x in text.split(";"))):
         path, _, shape = item.partition(":")
-        d = {tok[0]: int(tok[1:]) for tok in shape.split()}
-        out.append((path.strip(), dict(B=d["B"], T=d["T"], H=d["H"], K=d["K"], V=d["V"])))
+        out.append((path.strip(), bench.parse_shape(shape)))
     return out
 
 
@@ -113,8 +111,7 @@ def main(argv=None) -> int:
     rows, meta = [], metadata(command="python scripts/try_variants.py " + " ".join(argv or sys.argv[1:]))
     own_build = stage.build
     for path, shape in parse_cases(args.cases):
-        kw = make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
-                         device="cuda", gate="bounded", lower_bound=-5.0, chunk_size=16)
+        kw = bench.path_inputs(shape)
         ref = None
         for name, src, defs in variants:
             if name in failed:

@@ -173,3 +173,13 @@ def test_best_ms_prefers_graph_replay():
     assert best_ms({"fwd_ms": 1.2, "fwd_graph_ms": None}) == 1.2
     assert best_ms({"bwd_ms": 3.0}, "bwd") == 3.0
     assert best_ms({"error": "out of memory"}) is None
+
+
+def test_parse_shape_is_the_inverse_of_shape_label_and_names_a_bad_shape():
+    from common import bench
+
+    s = dict(B=8, T=1024, H=64, K=128, V=128)
+    assert bench.parse_shape(bench.shape_label(s)) == s
+    for bad in ("B8 T1024 H64 K128", "B8 Tx H64 K128 V128", ""):
+        with pytest.raises(ValueError, match="a shape is 'B.. T.. H.. K.. V..'"):
+            bench.parse_shape(bad)

@@ -27,5 +27,5 @@ def test_a_variant_name_that_is_no_identifier_or_the_stage_itself_is_refused(bad
 def test_cases_are_a_pinned_path_at_a_shape():
     assert tv.parse_cases("fused8:B8 T1024 H64 K128 V128; split1:B2 T2048 H4 K64 V64") == [
         ("fused8", dict(B=8, T=1024, H=64, K=128, V=128)), ("split1", dict(B=2, T=2048, H=4, K=64, V=64))]
-    with pytest.raises(KeyError):  # a shape without V
+    with pytest.raises(ValueError, match="a shape is 'B.. T.. H.. K.. V..'.*'B8 T1024 H64 K128'"):  # no V
         tv.parse_cases("fused8:B8 T1024 H64 K128")
