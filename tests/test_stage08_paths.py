@@ -17,6 +17,8 @@ S08 = load_stage("08")
 PATH_CASES = [
     checks.Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=81),          # tail chunk, h0
     checks.Case(1, 100, 5, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, h0=False, seed=82),  # T < 7 chunks
+    # the split path in three segments of the sequence (128 chunks each, the last a tail), h0
+    checks.Case(1, 2 * 2048 + 40, 2, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0, seed=83),
 ]
 
 

@@ -36,6 +36,10 @@ using kda_binding::present;
 
 constexpr int64_t kChunk = 16;  // BT of this stage
 constexpr int64_t kVCols = 16;  // value columns per recurrence block, at the least
+// The split path's workspace holds one segment of the sequence: at most this many chunks (2048
+// tokens), about 2.7 MB per head, where the whole sequence's needs 1.3 KB per token and head.
+// Each further segment costs one more K1 and K2 launch.
+constexpr int64_t kSegmentChunks = 128;
 
 // The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
 // an input whose data does not start on a 16-byte boundary (a view at an odd
@@ -137,18 +141,20 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   KdaPlan plan{};
   kda_check(kda_fwd_plan(p, g_want_fused, g_want_ncw, &plan), "kda forward plan");
 
-  // ---- workspace of the split path: one slot per chunk, written by K1, read by K2 (see kda.h) ----
+  // ---- workspace of the split path: one slot per chunk of a segment of the sequence (at most
+  //      kSegmentChunks chunks), written by K1, read by K2 (see kda.h); the fused path needs none ----
   torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
+  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, kSegmentChunks);
   if (!plan.fused) {
     const int64_t BH = B * H;
     const auto bf = q.options().dtype(torch::kBFloat16);
     const auto f32 = q.options().dtype(torch::kFloat32);
-    ws_qd = torch::empty({BH, NT, kChunk, K}, bf);
-    ws_w = torch::empty({BH, NT, kChunk, K}, bf);
-    ws_krT = torch::empty({BH, NT, K, kChunk}, bf);
-    ws_Aqk = torch::empty({BH, NT, kChunk, kChunk}, bf);
-    ws_u = torch::empty({BH, NT, kChunk, V}, f32);
-    ws_el = torch::empty({BH, NT, K}, f32);
+    ws_qd = torch::empty({BH, NC, kChunk, K}, bf);
+    ws_w = torch::empty({BH, NC, kChunk, K}, bf);
+    ws_krT = torch::empty({BH, NC, K, kChunk}, bf);
+    ws_Aqk = torch::empty({BH, NC, kChunk, kChunk}, bf);
+    ws_u = torch::empty({BH, NC, kChunk, V}, f32);
+    ws_el = torch::empty({BH, NC, K}, f32);
     p.qd = bptr_mut(ws_qd);
     p.w = bptr_mut(ws_w);
     p.krT = bptr_mut(ws_krT);
@@ -173,7 +179,16 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   (void)prof;
 #endif
   kda_launch_log().clear();
-  kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
+  // The split path segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1, each K2 block
+  // starting from the state the previous segment's left in ht (its own columns: it reads them
+  // before it writes them). The fused path is one launch over the whole sequence.
+  const float* h0_user = p.h0;
+  for (int64_t n0 = 0; n0 < NT; n0 += NC) {
+    p.n0 = (int)n0;
+    p.NC = (int)std::min<int64_t>(NC, NT - n0);
+    p.h0 = n0 == 0 ? h0_user : p.ht;
+    kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
+  }
 }
 
 // Pin the path of the next forward calls: fused = -1 (the stage's rule), 0 (split:

@@ -785,9 +785,11 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
   K1Smem<K, V>& sm = *reinterpret_cast<K1Smem<K, V>*>(kda_smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int bh = (int)(blockIdx.x / p.NT), n = (int)(blockIdx.x % p.NT);
+  const int bh = (int)(blockIdx.x / p.NC), m = (int)(blockIdx.x % p.NC), n = p.n0 + m;  // chunk n of the segment
   const int b = bh / p.H, h = bh % p.H;
-  const size_t slot = (size_t)bh * p.NT + n;       // the chunk's workspace slot
+  const size_t slot = (size_t)bh * p.NC + m;       // the chunk's workspace slot (one segment)
+  const int prof_slot = bh * p.NT + n;             // profile: one slot per chunk of the sequence
+  (void)prof_slot;
   KDA_PROF_START(tp);
 
   RawRows<K, V> raw;
@@ -799,15 +801,15 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
   float* const el_out = p.el + slot * K;
   decay_columns<K, V, K, BT>(sm, p, tid, qd_out, krT_out, el_out);
   __syncthreads();
-  if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
+  if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRE, tp);
   products<K, V, BT>(sm, tid, &sm.qd[0][0], reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
   __syncthreads();
-  if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
+  if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRODUCTS, tp);
   if (warp == 0) invert(sm, lane);
   __syncthreads();
-  if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
+  if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_INVERSE, tp);
   w_u<K, V, K, V>(sm, tid, reinterpret_cast<bf16*>(p.w) + slot * BT * K, p.u + slot * BT * V, 0);
-  if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_WU, tp);
+  if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_WU, tp);
 }
 
 // ===========================================================================
@@ -856,10 +858,9 @@ struct K2Smem {
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW, int S>
 __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const KdaFwdParams& p, int bh, int cw0, int cw,
-                                                int lane) {
+                                                int lane, int n_first, int n_count) {
   constexpr int kStages = S;
   const int b = bh / p.H, h = bh % p.H;
-  const int NT = p.NT;
   const bool timer = cw == 0 && lane == 0;
   (void)timer;
   WarpMma mma;
@@ -896,11 +897,11 @@ __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const Kda
   bf16* o_base = o + ((size_t)b * p.T * p.H + h) * V + cw0;
   KDA_PROF_START(tp);
 
-  for (int n = 0; n < NT; ++n) {
-    const int s = n % kStages;
+  for (int m = 0; m < n_count; ++m) {  // chunk n = n_first + m of the sequence, the ring's m-th
+    const int s = m % kStages;
     K2Slot<K, NCW>& st = sm.slot[s];
-    const int t0 = n * BT;
-    mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
+    const int t0 = (n_first + m) * BT;
+    mbar_wait(&sm.full[s], (m / kStages) & 1);  // chunk n is in slot s
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_WAIT, tp);
 
     // ---- w @ S and qd @ S   (two C tiles (BT, VW); both read only S, so their MMAs
@@ -998,7 +999,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int bh = (int)(blockIdx.x / NS), col0 = (int)(blockIdx.x % NS) * VC;
-  const int NT = p.NT;
+  const int NC = p.NC;  // the segment's chunks n0 .. n0 + NC - 1, workspace slots 0 .. NC - 1
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&sm.full[s], 32);
@@ -1017,7 +1018,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     // Issue chunk m into its slot (one warp, 16-byte cp.async per lane).
     auto issue = [&](int m) {
       K2Slot<K, NCW>& st = sm.slot[m % kStages];
-      const size_t chunk = (size_t)bh * NT + m;
+      const size_t chunk = (size_t)bh * NC + m;
       async_tile<BT, K, K + kPad, K>(&st.w[0][0], gW + chunk * BT * K, lane);
       async_tile<BT, K, K + kPad, K>(&st.qd[0][0], gQd + chunk * BT * K, lane);
       async_tile<K, BT, BT + kPad, BT>(&st.krT[0][0], gKrT + chunk * K * BT, lane);
@@ -1030,7 +1031,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
     // (m / kStages - 1)-th completion of EMPTY). The load warp never waits for its
     // own copies: each lane's arrival on FULL is made by the hardware once that
     // lane's copies have landed, so the warp runs ahead until the ring is full.
-    for (int m = 0; m < NT; ++m) {
+    for (int m = 0; m < NC; ++m) {
       const int s = m % kStages;
       if (m >= kStages) mbar_wait(&sm.empty[s], (m / kStages - 1) & 1);
       if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
@@ -1043,7 +1044,7 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
   }
 
   // ===================== compute warps 0 .. NCW-1 =====================
-  recurrence_warp<K, V, NCW>(sm, p, bh, col0 + warp * VW, warp, lane);
+  recurrence_warp<K, V, NCW>(sm, p, bh, col0 + warp * VW, warp, lane, p.n0, p.NC);
 }
 
 // ===========================================================================
@@ -1163,7 +1164,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
 
   // ===================== compute warps 8 .. 8 + NCW - 1 =====================
   const int cw = warp - kPrepWarps;
-  recurrence_warp<K, V, NCW>(sm.ring, p, bh, col0 + cw * VW, cw, lane);
+  recurrence_warp<K, V, NCW>(sm.ring, p, bh, col0 + cw * VW, cw, lane, 0, p.NT);
 }
 
 // ---------------------------------------------------------------------------
@@ -1240,8 +1241,8 @@ cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stre
   const long long bhs = (long long)p.B * p.H;  // B*H*NT and B*H*V/16 <= INT_MAX (checked by the binding)
   const size_t smem1 = sizeof(K1Smem<K, V>);
   KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
-  kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NT)), dim3(kThreads), smem1);
-  kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NT), kThreads, smem1, stream>>>(p);
+  kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NC)), dim3(kThreads), smem1);
+  kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NC), kThreads, smem1, stream>>>(p);
   KDA_RETURN_IF_ERROR(cudaGetLastError());
   if (plan.ncw == 2) return launch_recurrence<K, V, 2>(p, stream);
   if (plan.ncw == 1) return launch_recurrence<K, V, 1>(p, stream);
@@ -1297,6 +1298,8 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
   if (!plan.fused && (p.qd == nullptr || p.w == nullptr || p.krT == nullptr || p.Aqk == nullptr ||
                       p.u == nullptr || p.el == nullptr))
     return cudaErrorInvalidValue;  // the split path needs the workspace
+  if (!plan.fused && (p.n0 < 0 || p.NC < 1 || p.n0 + p.NC > p.NT))
+    return cudaErrorInvalidValue;  // a segment of the sequence's chunks
   if (p.K == 64) return kda_stage::launch<64, 64>(p, plan, stream);
   if (p.K == 128) return kda_stage::launch<128, 128>(p, plan, stream);
   return cudaErrorInvalidValue;

@@ -51,6 +51,9 @@ struct KdaFwdParams {
   // ---- sizes ----
   int B, T, H, K, V;
   int NT;  // ceil(T / 16)
+  // ---- the split path runs in segments of the sequence: chunks n0 .. n0 + NC - 1 per K1 + K2 pair ----
+  int n0;  // the segment's first chunk
+  int NC;  // chunks in the segment (the workspace holds one segment: its chunk pitch)
   // ---- operator inputs (bf16 activations, fp32 parameters) ----
   const __nv_bfloat16* q;     // [B, T, H, K] raw queries
   const __nv_bfloat16* k;     // [B, T, H, K] raw keys
@@ -63,12 +66,12 @@ struct KdaFwdParams {
   float scale;
   float lower_bound;  // bounded gate: a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
   // ---- workspace of the split path: written by K1, read by K2 (one slot per chunk) ----
-  __nv_bfloat16* qd;   // [BH, NT, 16, K] scale * qn * exp(gc)       (A operand of qd @ S)
-  __nv_bfloat16* w;    // [BH, NT, 16, K] Af @ kd                    (A operand of w @ S)
-  __nv_bfloat16* krT;  // [BH, NT, K, 16] (kn * exp(glast - gc))^T   (A operand of kr^T @ vcorr)
-  __nv_bfloat16* Aqk;  // [BH, NT, 16, 16] lower_incl_diag(qd @ ki^T) (A operand of Aqk @ vcorr)
-  float* u;            // [BH, NT, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand)
-  float* el;           // [BH, NT, K]     exp(glast)
+  __nv_bfloat16* qd;   // [BH, NC, 16, K] scale * qn * exp(gc)       (A operand of qd @ S)
+  __nv_bfloat16* w;    // [BH, NC, 16, K] Af @ kd                    (A operand of w @ S)
+  __nv_bfloat16* krT;  // [BH, NC, K, 16] (kn * exp(glast - gc))^T   (A operand of kr^T @ vcorr)
+  __nv_bfloat16* Aqk;  // [BH, NC, 16, 16] lower_incl_diag(qd @ ki^T) (A operand of Aqk @ vcorr)
+  float* u;            // [BH, NC, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand)
+  float* el;           // [BH, NC, K]     exp(glast), at el_index(d)
   // ---- outputs ----
   __nv_bfloat16* o;  // [B, T, H, V]
   float* ht;         // [B, H, K, V] final state
