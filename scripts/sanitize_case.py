@@ -4,7 +4,8 @@ for compute-sanitizer:
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py 02
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py 06 no_load_warp
 
-A stage with several paths (stage 08's PATHS) runs each of them, pinned, as well, at K = V = 64 and 128.
+A stage with several paths (stage 08's PATHS) runs each of them, pinned, as well, at K = V = 64 and 128,
+its split path also in segments of 3 chunks.
 """
 
 import sys
@@ -42,6 +43,10 @@ if getattr(stage, "PATHS", None):  # a stage with several paths (08): each one, 
             with stage.path(name):
                 res.update({f"{k} ({name}, K={kwp['k'].shape[-1]})": v
                             for k, v in checks.run(stage.forward, kwp, "cuda", backward=False).items()})
+            if name.startswith("split") and hasattr(stage, "SEGMENT_CHUNKS"):  # in segments of 3 chunks too
+                with stage.path(name, segment_chunks=3):
+                    res.update({f"{k} ({name} in segments, K={kwp['k'].shape[-1]})": v
+                                for k, v in checks.run(stage.forward, kwp, "cuda", backward=False).items()})
 torch.cuda.synchronize()
 bad = [n for n, t in res.items() if t is not None and not torch.isfinite(t).all()]
 print(f"stage {spec.name}: {'non-finite ' + str(bad) if bad else 'all outputs finite'}")

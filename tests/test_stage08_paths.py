@@ -17,7 +17,7 @@ S08 = load_stage("08")
 PATH_CASES = [
     checks.Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=81),          # tail chunk, h0
     checks.Case(1, 100, 5, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, h0=False, seed=82),  # T < 7 chunks
-    # the split path in three segments of the sequence (128 chunks each, the last a tail), h0
+    # the split path in three segments of the sequence (SEGMENT_CHUNKS = 128 each, the last a tail), h0
     checks.Case(1, 2 * 2048 + 40, 2, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0, seed=83),
 ]
 
@@ -62,6 +62,45 @@ def test_every_path_is_correct_and_equal_to_stage07(name, case):
         for n in ("o", "S"):
             err = rel_err(got[n], ref[n])
             assert err <= nb.FUSED_VS_PREVIOUS, f"{n}: fused path {err:.1e} from stage 07"
+
+
+@gpu
+@pytest.mark.parametrize("seg", [1, 3])
+@pytest.mark.parametrize("case", PATH_CASES[:2], ids=lambda c: c.id)
+def test_split_path_in_short_segments_is_bitwise_stage07(case, seg):
+    """The split path runs K1 + K2 once per segment of ``seg`` chunks, each K2 block
+    starting from the state the last segment left in ht: one launch pair per segment
+    and the same bits as stage 07's single pass, outputs poisoned before the call."""
+    inp = checks.case_inputs(case, "cuda", torch.bfloat16)
+    nt = -(-case.T // 16)
+    with S08.path("split1", segment_chunks=seg):
+        got = checks.run(S08.forward, inp, "cuda", backward=False)
+        kernels = [x["kernel"] for x in S08.build().launches()]
+    assert kernels == ["kda_prepare_kernel", "kda_recurrence_kernel"] * -(-nt // seg), kernels
+    ref = checks.run(load_stage("07").forward, inp, "cuda", backward=False)
+    assert torch.equal(got["o"], ref["o"]) and torch.equal(got["S"], ref["S"]), "not bitwise equal to stage 07"
+
+
+@gpu
+def test_the_default_segment_bounds_the_split_workspace():
+    """At T = 3 segments of SEGMENT_CHUNKS the rule's split path launches three
+    K1 + K2 pairs and needs less memory than one segment of the whole sequence."""
+    case = PATH_CASES[2]
+    inp = checks.case_inputs(case, "cuda", torch.bfloat16)
+    nt = -(-case.T // 16)
+    peaks = {}
+    for seg in (None, nt):
+        with S08.path("split1", segment_chunks=seg):
+            S08.forward(**inp)  # built and warm
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            S08.forward(**inp)
+            torch.cuda.synchronize()
+            peaks[seg] = torch.cuda.max_memory_allocated() - base
+            launches = len(S08.build().launches())
+        assert launches == 2 * -(-nt // (seg or S08.SEGMENT_CHUNKS)), (seg, launches)
+    assert peaks[None] < 0.75 * peaks[nt], peaks  # workspace 128 vs 259 chunks, plus o
 
 
 @gpu

@@ -9,8 +9,9 @@
 // [B, H, K, V] preallocated by the caller and completely overwritten.
 // Supported: gate_id 1 (bounded), chunk_size 16, K = V in {64, 128}.
 // There is no bwd: this stage is forward only.
-// set_path(fused, ncw) pins the path of the next calls (fused -1: the stage's rule),
-// for the benchmark that chose the rule and for the tests of both paths.
+// set_path(fused, ncw, segment_chunks) pins the path of the next calls (fused -1: the
+// stage's rule) and the split path's segment length, for the benchmark that chose the
+// rule and for the tests of both paths.
 #define KDA_WITH_TORCH
 #include "kda_cuda_check.h"
 
@@ -47,6 +48,9 @@ constexpr int64_t kSegmentChunks = 128;
 // The path asked for by set_path (-1: kda_fwd_plan's rule).
 int g_want_fused = -1;
 int g_want_ncw = 0;
+// Chunks per segment of the split path asked for by set_path (0: kSegmentChunks); the tests and
+// the sanitizer run short sequences in many segments with it.
+int64_t g_segment_chunks = 0;
 
 torch::Tensor aligned(const torch::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
@@ -144,7 +148,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   // ---- workspace of the split path: one slot per chunk of a segment of the sequence (at most
   //      kSegmentChunks chunks), written by K1, read by K2 (see kda.h); the fused path needs none ----
   torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
-  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, kSegmentChunks);
+  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, g_segment_chunks > 0 ? g_segment_chunks : kSegmentChunks);
   if (!plan.fused) {
     const int64_t BH = B * H;
     const auto bf = q.options().dtype(torch::kBFloat16);
@@ -193,13 +197,17 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 
 // Pin the path of the next forward calls: fused = -1 (the stage's rule), 0 (split:
 // K1 + K2 with ncw in {1, 2}) or 1 (fused with ncw in {1, 2, 4, V/16}); checked
-// against the sizes at the call.
-void kda_set_path(int64_t fused, int64_t ncw) {
+// against the sizes at the call. segment_chunks > 0 sets the split path's segment
+// length (0: kSegmentChunks).
+void kda_set_path(int64_t fused, int64_t ncw, int64_t segment_chunks) {
+  TORCH_CHECK(segment_chunks >= 0 && segment_chunks <= INT_MAX, "segment_chunks must be >= 0 (0: the default of ",
+              kSegmentChunks, "), got ", segment_chunks);
   TORCH_CHECK(fused >= -1 && fused <= 1, "fused must be -1 (the rule), 0 (split) or 1 (fused), got ", fused);
   TORCH_CHECK(fused == -1 || ncw == 1 || ncw == 2 || ncw == 4 || ncw == 8,
               "ncw (compute warps per block) must be 1, 2, 4 or 8, got ", ncw);
   g_want_fused = (int)fused;
   g_want_ncw = (int)ncw;
+  g_segment_chunks = segment_chunks;
 }
 
 // out = A @ bf16(X) through the accumulator -> B-fragment transpose (kda.h).
@@ -228,7 +236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dt_bias"), py::arg("h0"), py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"),
         py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"));
   m.def("set_path", &kda_set_path, "pin the path of the next calls: fused -1 (rule), 0 (split) or 1, and ncw",
-        py::arg("fused"), py::arg("ncw") = 0);
+        py::arg("fused"), py::arg("ncw") = 0, py::arg("segment_chunks") = 0);
   m.def("frag_check", &kda_frag_check, "A @ bf16(X) with X turned from an MMA accumulator into a B fragment by movmatrix",
         py::arg("A"), py::arg("X"));
 }

@@ -93,31 +93,38 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
     return extrun.profile(build(profile=True), SPEC, c, backward=backward)
 
 
+# The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
+SEGMENT_CHUNKS = 128
+
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
 
 
 @contextmanager
-def path(name=None):
+def path(name=None, segment_chunks=None):
     """Pin the kernels of the calls inside the block: "split1"/"split2" (K1 + K2
     with 1 or 2 compute warps per K2 block) or "fused1"/"fused2"/"fused4"/"fused8"
     (the fused kernel with that many compute warps per block; fused8 needs
     K = V = 128); None keeps the stage's rule. A path that does not exist for
-    the sizes of a call raises at that call."""
+    the sizes of a call raises at that call. ``segment_chunks`` sets how many
+    chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS), so
+    that the tests see many segments in a short sequence."""
     if name is not None and name not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)} or None, got {name!r}")
+    if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
+        raise ValueError(f"segment_chunks must be a positive int or None, got {segment_chunks!r}")
     global _PINNED
     exts = (build(), build(profile=True))  # the timed build and the profile build each hold their own pin
     fused, ncw = PATHS[name] if name is not None else (-1, 0)
     for ext in exts:
-        ext.set_path(fused, ncw)
+        ext.set_path(fused, ncw, segment_chunks or 0)
     _PINNED = name
     try:
         yield
     finally:
         _PINNED = None
         for ext in exts:
-            ext.set_path(-1, 0)
+            ext.set_path(-1, 0, 0)
 
 
 _PINNED = None  # the path pinned by ``path``, checked against the sizes of each call
