@@ -286,7 +286,7 @@ def _gpu_rel_err(x, ref) -> float:
 
 
 def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = True, profile: bool = False,
-              on_row=None) -> list[dict]:
+              on_row=None, segment_chunks: int | None = None) -> list[dict]:
     """A stage with several paths (its ``PATHS``, pinned one at a time by
     ``stage.path``; stage 08) at one shape on the GPU, beside the previous
     stage and FlashKDA, on the same inputs (bf16, bounded gate, chunk 16):
@@ -300,7 +300,9 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
     equal to the previous stage's), err_vs_<prev> (the larger relative
     difference of the two), kernels (what the call launched); for FlashKDA
     o_vs_<prev>. ``profile``: the clock64 regions of each of the stage's rows
-    too. A path that fails records its error. ``on_row(row)`` after each row."""
+    too. A path that fails records its error. ``on_row(row)`` after each row.
+    ``segment_chunks`` pins the split path's segment length (``stage.path``)
+    for every row of the stage, and is recorded in them."""
     from contextlib import nullcontext
 
     from .fla_ref import flashkda_forward
@@ -318,8 +320,11 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
     rows = []
     for who, name, fwd in cands:
         row = dict(stage=who, path=name or "rule", **shape)
+        pin = dict(segment_chunks=segment_chunks) if segment_chunks else {}
+        if who == stage.SPEC.id:
+            row.update(pin)
         try:
-            with (stage.path(name) if who == stage.SPEC.id else nullcontext()):
+            with (stage.path(name, **pin) if who == stage.SPEC.id else nullcontext()):
                 def f():
                     with torch.no_grad():
                         return fwd(**kw)

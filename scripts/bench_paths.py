@@ -8,6 +8,7 @@ from; the bench-tc phase of gpu_run.py times the rule beside the other stages.
 
     python scripts/bench_paths.py [--shapes "B1 T1024 H64 K128 V128;..."] [--out $OUT/paths.json]
     python scripts/bench_paths.py --profile     # also clock64 regions of the fused path
+    python scripts/bench_paths.py --segment-chunks 128   # the split path in segments of 128 chunks
 
 Needs a GPU and stages 07 and 08 built (gpu_run.py's build phase). The measurement itself is
 common.bench.path_rows (the notebook of stage 08 calls it too, live on a GPU).
@@ -41,11 +42,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp/kdalab-out")) / "paths.json"))
     p.add_argument("--budget", type=float, default=0.4, help="seconds of timing per row")
     p.add_argument("--profile", action="store_true", help="clock64 regions of every path of stage 08 per shape")
+    p.add_argument("--segment-chunks", type=int, default=None,
+                   help="pin the split path's segment length (chunks) for every row of the stage")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes) if args.shapes else bench.TC_GPU_SHAPES + [LONG_SHAPE]
     fk_ok, fk_why = flashkda_available()
     print(f"FlashKDA: {'importable' if fk_ok else fk_why}", flush=True)
-    rows, meta = [], metadata(command="python scripts/bench_paths.py" + (" --profile" if args.profile else ""))
+    rows, meta = [], metadata(command="python scripts/bench_paths.py" + (" --profile" if args.profile else "")
+                              + (f" --segment-chunks {args.segment_chunks}" if args.segment_chunks else ""))
     for shape in shapes:
         label, t0 = bench.shape_label(shape), [time.time()]
 
@@ -58,7 +62,8 @@ def main(argv=None) -> int:
             save(Path(args.out), rows, meta)
             t0[0] = time.time()
 
-        bench.path_rows("08", shape, budget_s=args.budget, flashkda=fk_ok, profile=args.profile, on_row=on_row)
+        bench.path_rows("08", shape, budget_s=args.budget, flashkda=fk_ok, profile=args.profile, on_row=on_row,
+                        segment_chunks=args.segment_chunks)
     return 0
 
 

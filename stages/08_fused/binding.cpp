@@ -15,6 +15,7 @@
 #define KDA_WITH_TORCH
 #include "kda_cuda_check.h"
 
+#include <c10/cuda/CUDAException.h>  // C10_CUDA_CHECK
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>  // (ATen/cuda/CUDAContext.h would need the cuSPARSE headers)
 #include <torch/extension.h>
@@ -23,6 +24,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 #include "kda.h"
 #include "kda_binding.h"  // check_tensor, check_shape, present, launches, KDA_STAGE
@@ -37,10 +40,11 @@ using kda_binding::present;
 
 constexpr int64_t kChunk = 16;  // BT of this stage
 constexpr int64_t kVCols = 16;  // value columns per recurrence block, at the least
-// The split path's workspace holds one segment of the sequence: at most this many chunks (2048
-// tokens), about 2.7 MB per head, where the whole sequence's needs 1.3 KB per token and head.
-// Each further segment costs one more K1 and K2 launch.
-constexpr int64_t kSegmentChunks = 128;
+// The split path runs the sequence in segments of at most this many chunks (1024 tokens), its
+// workspace two segments' worth (about 2.7 MB per head at K = V = 128) where the whole sequence's
+// needs 1.3 KB per token and head. Each further segment costs one more K1 and K2 launch; K1 of
+// the next segment runs beside K2 of this one.
+constexpr int64_t kSegmentChunks = 64;
 
 // The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
 // an input whose data does not start on a 16-byte boundary (a view at an odd
@@ -51,6 +55,26 @@ int g_want_ncw = 0;
 // Chunks per segment of the split path asked for by set_path (0: kSegmentChunks); the tests and
 // the sanitizer run short sequences in many segments with it.
 int64_t g_segment_chunks = 0;
+
+// The events that order the split path's two streams (timing off: they only order), made once
+// per device and kept (no event is created while a CUDA graph is being captured). A wait takes
+// the event's last record at the time of the wait, so calls one after the other may reuse them.
+struct Events {
+  cudaEvent_t fork{}, k1_done[2]{}, k2_done[2]{};
+};
+const Events& events_of(int device) {
+  static std::mutex mu;
+  static std::map<int, Events> all;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = all.find(device);
+  if (it == all.end()) {
+    Events ev;
+    for (cudaEvent_t* e : {&ev.fork, &ev.k1_done[0], &ev.k1_done[1], &ev.k2_done[0], &ev.k2_done[1]})
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    it = all.emplace(device, ev).first;
+  }
+  return it->second;
+}
 
 torch::Tensor aligned(const torch::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
@@ -146,26 +170,34 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   kda_check(kda_fwd_plan(p, g_want_fused, g_want_ncw, &plan), "kda forward plan");
 
   // ---- workspace of the split path: one slot per chunk of a segment of the sequence (at most
-  //      kSegmentChunks chunks), written by K1, read by K2 (see kda.h); the fused path needs none ----
-  torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
+  //      kSegmentChunks chunks), written by K1, read by K2 (see kda.h), in two buffers when there
+  //      are several segments (K1 of segment i + 1 fills one while K2 of segment i reads the
+  //      other); the fused path needs none ----
   const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, g_segment_chunks > 0 ? g_segment_chunks : kSegmentChunks);
+  const int64_t n_seg = (NT + NC - 1) / NC;
+  const int64_t n_buf = plan.fused ? 0 : std::min<int64_t>(n_seg, 2);
+  torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
   if (!plan.fused) {
     const int64_t BH = B * H;
     const auto bf = q.options().dtype(torch::kBFloat16);
     const auto f32 = q.options().dtype(torch::kFloat32);
-    ws_qd = torch::empty({BH, NC, kChunk, K}, bf);
-    ws_w = torch::empty({BH, NC, kChunk, K}, bf);
-    ws_krT = torch::empty({BH, NC, K, kChunk}, bf);
-    ws_Aqk = torch::empty({BH, NC, kChunk, kChunk}, bf);
-    ws_u = torch::empty({BH, NC, kChunk, V}, f32);
-    ws_el = torch::empty({BH, NC, K}, f32);
-    p.qd = bptr_mut(ws_qd);
-    p.w = bptr_mut(ws_w);
-    p.krT = bptr_mut(ws_krT);
-    p.Aqk = bptr_mut(ws_Aqk);
-    p.u = ws_u.data_ptr<float>();
-    p.el = ws_el.data_ptr<float>();
+    ws_qd = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
+    ws_w = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
+    ws_krT = torch::empty({n_buf, BH, NC, K, kChunk}, bf);
+    ws_Aqk = torch::empty({n_buf, BH, NC, kChunk, kChunk}, bf);
+    ws_u = torch::empty({n_buf, BH, NC, kChunk, V}, f32);
+    ws_el = torch::empty({n_buf, BH, NC, K}, f32);
   }
+  // the workspace pointers of buffer i
+  auto use_buffer = [&](int64_t i) {
+    torch::Tensor qd = ws_qd[i], w = ws_w[i], krT = ws_krT[i], Aqk = ws_Aqk[i];
+    p.qd = bptr_mut(qd);
+    p.w = bptr_mut(w);
+    p.krT = bptr_mut(krT);
+    p.Aqk = bptr_mut(Aqk);
+    p.u = ws_u[i].data_ptr<float>();
+    p.el = ws_el[i].data_ptr<float>();
+  };
   p.o = bptr_mut(o);
   p.ht = ht.data_ptr<float>();
   p.prof = nullptr;
@@ -183,15 +215,42 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   (void)prof;
 #endif
   kda_launch_log().clear();
-  // The split path segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1, each K2 block
-  // starting from the state the previous segment's left in ht (its own columns: it reads them
-  // before it writes them). The fused path is one launch over the whole sequence.
-  const float* h0_user = p.h0;
-  for (int64_t n0 = 0; n0 < NT; n0 += NC) {
-    p.n0 = (int)n0;
-    p.NC = (int)std::min<int64_t>(NC, NT - n0);
-    p.h0 = n0 == 0 ? h0_user : p.ht;
+  if (plan.fused) {  // one launch over the whole sequence
+    p.n0 = 0;
+    p.NC = (int)NT;
     kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
+    return;
+  }
+  // The split path segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1, each K2 block
+  // starting from the state the previous segment left in ht (its own columns: it reads them
+  // before it writes them). With several segments K1 runs on a side stream, one segment ahead:
+  // K1 of segment i + 1 beside K2 of segment i, on the SMs K2's few blocks leave idle.
+  //   side: K1(i) into buffer i % 2, after K2(i - 2) has read that buffer
+  //   main: K2(i) after K1(i); main waits for side's last K1, so nothing outlives the call
+  const float* h0_user = p.h0;
+  if (n_seg == 1) {
+    use_buffer(0);
+    p.n0 = 0;
+    p.NC = (int)NT;
+    kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
+    return;
+  }
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, q.device().index());
+  const Events& ev = events_of(q.device().index());  // fork, k1_done[2], k2_done[2]
+  C10_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.fork, 0));
+  for (int64_t i = 0; i < n_seg; ++i) {
+    const int64_t buf = i % 2;
+    use_buffer(buf);
+    p.n0 = (int)(i * NC);
+    p.NC = (int)std::min<int64_t>(NC, NT - i * NC);
+    p.h0 = i == 0 ? h0_user : p.ht;
+    if (i >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.k2_done[buf], 0));
+    kda_check(kda_fwd_launch(p, plan, side.stream(), KDA_LAUNCH_K1), "kda forward (K1)");
+    C10_CUDA_CHECK(cudaEventRecord(ev.k1_done[buf], side.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.k1_done[buf], 0));
+    kda_check(kda_fwd_launch(p, plan, stream, KDA_LAUNCH_K2), "kda forward (K2)");
+    C10_CUDA_CHECK(cudaEventRecord(ev.k2_done[buf], stream));
   }
 }
 

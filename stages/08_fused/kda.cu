@@ -1227,7 +1227,7 @@ cudaError_t launch_fused(const KdaFwdParams& p, cudaStream_t stream) {
 }
 
 template <int K, int V>
-cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream) {
+cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
   if (plan.fused) {
     switch (plan.ncw) {
       case 1: return launch_fused<K, V, 1>(p, stream);
@@ -1239,11 +1239,14 @@ cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stre
     }
   }
   const long long bhs = (long long)p.B * p.H;  // B*H*NT and B*H*V/16 <= INT_MAX (checked by the binding)
-  const size_t smem1 = sizeof(K1Smem<K, V>);
-  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
-  kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NC)), dim3(kThreads), smem1);
-  kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NC), kThreads, smem1, stream>>>(p);
-  KDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (kernels & KDA_LAUNCH_K1) {
+    const size_t smem1 = sizeof(K1Smem<K, V>);
+    KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
+    kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NC)), dim3(kThreads), smem1);
+    kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NC), kThreads, smem1, stream>>>(p);
+    KDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  if (!(kernels & KDA_LAUNCH_K2)) return cudaSuccess;
   if (plan.ncw == 2) return launch_recurrence<K, V, 2>(p, stream);
   if (plan.ncw == 1) return launch_recurrence<K, V, 1>(p, stream);
   return cudaErrorInvalidValue;
@@ -1292,7 +1295,8 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   return cudaSuccess;
 }
 
-cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream) {
+cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
+  if (kernels < KDA_LAUNCH_K1 || kernels > KDA_LAUNCH_ALL) return cudaErrorInvalidValue;
   if (p.B < 1 || p.T < 1 || p.H < 1 || p.NT != (p.T + kda_stage::BT - 1) / kda_stage::BT || p.K != p.V)
     return cudaErrorInvalidValue;
   if (!plan.fused && (p.qd == nullptr || p.w == nullptr || p.krT == nullptr || p.Aqk == nullptr ||
@@ -1300,8 +1304,8 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
     return cudaErrorInvalidValue;  // the split path needs the workspace
   if (!plan.fused && (p.n0 < 0 || p.NC < 1 || p.n0 + p.NC > p.NT))
     return cudaErrorInvalidValue;  // a segment of the sequence's chunks
-  if (p.K == 64) return kda_stage::launch<64, 64>(p, plan, stream);
-  if (p.K == 128) return kda_stage::launch<128, 128>(p, plan, stream);
+  if (p.K == 64) return kda_stage::launch<64, 64>(p, plan, stream, kernels);
+  if (p.K == 128) return kda_stage::launch<128, 128>(p, plan, stream, kernels);
   return cudaErrorInvalidValue;
 }
 

@@ -97,7 +97,11 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
 // fused = one kernel (grid BH * V / (16 ncw)). Returns cudaErrorInvalidValue for
 // sizes this stage does not support (K != V or K not in {64, 128}) or a split plan
 // without its workspace.
-cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream);
+// `kernels` picks the split path's kernels to launch (the binding runs K1 of one segment
+// on a side stream beside K2 of the previous one); the fused path ignores it.
+enum KdaKernels { KDA_LAUNCH_K1 = 1, KDA_LAUNCH_K2 = 2, KDA_LAUNCH_ALL = 3 };
+cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream,
+                           int kernels = KDA_LAUNCH_ALL);
 
 // The fragment identity of this stage, for the tests: out[16, 16] = A[16, kd] @ bf16(X[kd, 16])
 // computed by one warp with X loaded as an MMA accumulator and turned into the B

@@ -94,7 +94,7 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
 
 
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
-SEGMENT_CHUNKS = 128
+SEGMENT_CHUNKS = 64
 
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
