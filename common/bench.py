@@ -291,7 +291,9 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
     ``stage.path``; stage 08) at one shape on the GPU, beside the previous
     stage and FlashKDA, on the same inputs (bf16, bounded gate, chunk 16):
     the previous stage, the stage's rule, every path that exists for V, and
-    FlashKDA when ``flashkda`` and it is built here (K = V = 128 only).
+    FlashKDA when ``flashkda`` and it is built here (K = V = 128 only). Each
+    row of the stage is held to the same path of the previous stage where that
+    stage has paths too (``vs_path``), else to its rule.
 
     One row each (the schema of results/h200/stage08/): stage (the id, or
     "FlashKDA"), path ("rule" where none is pinned), the shape, fwd_* times
@@ -311,8 +313,16 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
     pid = previous(stage_id)
     prev = load_stage(pid)
     kw = path_inputs(shape)
-    with torch.no_grad():
-        o_ref, S_ref = prev.forward(**kw)
+    prev_paths = getattr(prev, "PATHS", {})
+
+    def reference(name):
+        """The previous stage's outputs to hold a row to: the same path pinned where
+        the previous stage has it (stage 09 against stage 08), else its rule."""
+        pin = name if name in prev_paths else None
+        with torch.no_grad(), (prev.path(pin) if pin else nullcontext()):
+            return prev.forward(**kw), pin or "rule"
+
+    (o_ref, S_ref), _ = reference(None)
     paths = [None] + [n for n, (_, ncw) in stage.PATHS.items() if 16 * ncw <= shape["V"]]
     cands = [(pid, None, prev.forward)] + [(stage.SPEC.id, n, stage.forward) for n in paths]
     if flashkda and flashkda_available()[0] and flashkda_unsupported(shape["K"], shape["V"]) is None:
@@ -332,9 +342,13 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
                 if who == stage.SPEC.id:  # read right after the call: a later call replaces the launch log
                     row["kernels"] = [x["kernel"] for x in stage.build().launches()]
                 if who != FLASHKDA_NAME:
-                    equal = bool(torch.equal(o, o_ref) and torch.equal(S, S_ref))
+                    (o_p, S_p), ref_path = reference(name) if who == stage.SPEC.id else ((o_ref, S_ref), "rule")
+                    equal = bool(torch.equal(o, o_p) and torch.equal(S, S_p))
                     row[f"equal_to_{pid}"] = equal
-                    row[f"err_vs_{pid}"] = 0.0 if equal else max(_gpu_rel_err(o, o_ref), _gpu_rel_err(S, S_ref))
+                    row[f"err_vs_{pid}"] = 0.0 if equal else max(_gpu_rel_err(o, o_p), _gpu_rel_err(S, S_p))
+                    if prev_paths:
+                        row["vs_path"] = ref_path  # which of the previous stage's paths
+                    del o_p, S_p
                 else:
                     row[f"o_vs_{pid}"] = _gpu_rel_err(o, o_ref)
                 del o, S

@@ -557,23 +557,25 @@ def ablation_plot(stage_id):
                                f"(recorded, {meta.get('device', 'H200')})")
 
 
-# ---- a stage with several paths (stage 08): every path side by side ----------
+# ---- a stage with several paths (stages 08, 09): every path side by side -----
 
 FUSED_KERNELS = {"kda_fused_kernel"}  # what a fused path launches; a split path launches K1 + K2
 SPLIT_KERNELS = {"kda_prepare_kernel", "kda_recurrence_kernel"}
-FUSED_VS_PREVIOUS = 1e-3  # a fused path against the previous stage (tests/test_stage08_paths.py): only the
-                          # decay factors' ex2.approx differ, and now and then a bf16 output rounds the other way
+FUSED_VS_PREVIOUS = 1e-3  # a fused path against the previous stage (tests/test_stage_paths.py): only the
+                          # decay factors' ex2.approx (08 against 07) or the order of a row's sums (09 against
+                          # 08) differ, and now and then a bf16 output rounds the other way
 
 _PATHS: dict = {}  # stage id -> (rows, notes, recorded meta): measured once per notebook session
 
 
 def path_problems(row: dict, prev_id: str = "07") -> list[str]:
     """What is wrong with one row of a paths measurement (common.bench.path_rows,
-    or its recorded file), against what stage 08 promises: the row ran and was
+    or its recorded file), against what stages 08 and 09 promise: the row ran and was
     timed; a row of the stage launched either K1 + K2 or the fused kernel alone
     (a pinned path: the one its name says), a split launch gives the previous
     stage's outputs bitwise, a fused one stays within FUSED_VS_PREVIOUS of them
-    (where the difference was measured), and its peak memory was measured.
+    (where the difference was measured; the previous stage's same path where it
+    has one, see common.bench.path_rows), and its peak memory was measured.
     Rows of the previous stage and of FlashKDA only need a time."""
     if row.get("error"):
         return [f"failed: {row['error']}"]
@@ -718,7 +720,7 @@ def paths_plot(stage_id="08"):
     where = {bench.shape_label(r): r["where"] for r in rows}
     mixed = len(set(where.values())) > 1
     labels = [s + (f" ({where[s]})" if mixed else "") for s in shapes]
-    mem = [(f"split ({pid})", pid), ("rule", "rule"), ("fused (any width)", "fused"), (FLASHKDA, FLASHKDA)]
+    mem = [(f"stage {pid}", pid), ("rule", "rule"), ("fused (any width)", "fused"), (FLASHKDA, FLASHKDA)]
     meta = _paths(sid)[2] or {}
     if mixed:
         src = "live and recorded rows"

@@ -54,8 +54,9 @@ def region_color(name: str):
     return REGION_COLORS.get(name) or _FALLBACK[zlib.crc32(name.encode()) % len(_FALLBACK)]
 
 
-# tab10 without its grey (index 7): grey is FLA's, and stage 07 beside FLA must be told apart
-_STAGE_COLORS = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
+# tab10 without its grey (index 7): grey is FLA's, and stage 07 beside FLA must be told apart;
+# a dark teal for the tenth stage (09), so that no two stages share a colour
+_STAGE_COLORS = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] + [(0.0, 0.4, 0.4)]
 
 
 def series_color(label: str):

@@ -23,6 +23,7 @@ STAGE_DIRS = {
     "06": "06_ws_pipeline",
     "07": "07_movm_register",
     "08": "08_fused",
+    "09": "09_smem_diet",
 }
 
 _CACHE: dict = {}

@@ -1,4 +1,4 @@
-"""Stage 08 built several ways, timed side by side in one GPU call: the
+"""The last stage (09) built several ways, timed side by side in one GPU call: the
 experiments behind docs/PERF_NOTES.md (one question per call, every candidate
 measured beside the stage as it is, on the same inputs).
 
@@ -36,7 +36,7 @@ from common.build import load_extension  # noqa: E402
 from common.results import metadata  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
-STAGE = "08"
+STAGE = "09"  # the last stage: its variants are the candidates for the next change
 WORK = ROOT / "build" / "variants"  # copies of the stage's sources for file variants
 
 

@@ -24,6 +24,7 @@ EXPECTED = {
     "06": K1 + K2_WS,
     "07": K1 + K2_WS,
     "08": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
+    "09": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
 }
 
 

@@ -1,7 +1,8 @@
 // binding.cpp -- torch binding of stage 08 (stage 07 + the fused path, forward only):
 // checks every tensor, plans the path (kda_fwd_plan), allocates the per-chunk
-// workspace on the input's device only for the split path, launches on the
-// current stream.
+// workspace on the input's device only for the split path (two segments of the
+// sequence), launches on the current stream (the split path's K1 on a side stream
+// joined before the call returns).
 //
 // fwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound,
 //     chunk_size, o, ht, prof?)

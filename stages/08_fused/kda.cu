@@ -13,38 +13,43 @@
 //     products, invert, w_u), device functions that write through a pointer
 //     and a row pitch: K1 calls them with the dense global workspace, as before.
 //
-//   * kda_fused_kernel runs them in a loop: the block of one (b, h, 16 NCW
-//     value columns) has 8 prepare warps (two teams of 4) and NCW compute
-//     warps. The prepare warps take the place of K2's load warp: instead of
-//     copying chunk n from the workspace into a ring slot they COMPUTE it there,
-//     each team synchronised by its own named barrier, and hand the slot over
-//     through the same FULL/EMPTY mbarriers. The compute warps run stage 07's
-//     recurrence (now recurrence_warp, shared by K2 and the fused kernel).
+//   * kda_fused_kernel runs them in a loop: the block of one (b, h) has 4
+//     prepare warps and V/16 compute warps. The prepare warps take the place of
+//     K2's load warp: instead of copying chunk n from the workspace into a ring
+//     slot they COMPUTE it there, synchronised among themselves by a named
+//     barrier, and hand the slot over through the same FULL/EMPTY mbarriers.
+//     The compute warps run stage 07's recurrence (now recurrence_warp, shared
+//     by K2 and the fused kernel) unchanged.
 //
 //   * The global loads of the next chunks are issued before the prepare warps
-//     work on the current ones (the loads only issue; the registers are read
-//     by the next chunk's row phase), so the stream of chunks does not stop for
-//     memory.
+//     work on the current ones (load_rows only issues; the registers are read
+//     by the next stage_rows), so the stream of chunks does not stop for memory.
 //
 //   * The price: K1 prepared all chunks of all heads at once over every SM; in
 //     the fused kernel each block prepares its chunks one after the other, and
 //     the recurrence can go no faster than that stream. The prepare is a chain
-//     of short dependent steps, so what pays is latency hidden and instructions
-//     saved: fast approximations without slow-path branches, a row layout of
-//     8 lanes per token (stage_row_slices: 6 shuffles per lane and chunk where
-//     K1's layout needs 40), every shared load of a phase before its stores,
-//     and two prepare teams of 4 warps on alternate chunks. The compute warps
-//     got cheaper too (for K2 as well): c_to_b writes each movmatrix result as
-//     one word, and the A fragments come by ldmatrix (mma_smem, mma_smem_reg).
-//     Measured on the H200 (docs/PERF_NOTES.md): at B=8, T=1024, H=64 the fused
-//     kernel went from 2.0 to 0.59 ms, and it is faster than K1 + K2 wherever
-//     its blocks fill the SMs: the stage's rule (kda_fwd_plan, see kda.h) takes
-//     it there, at V = 128, and the split path elsewhere. The binding allocates
-//     the workspace only for the split path.
+//     of short dependent steps, so what pays is latency hidden: fast
+//     approximations without slow-path branches (stage_rows<kFast>,
+//     decay_columns<kFast>), each phase's work interleaved in the source,
+//     every shared load of a phase before its stores, and two prepare teams of
+//     4 warps on alternate chunks (with 8 compute warps, setmaxnreg moves
+//     registers from the prepare warps to the compute warps: sm_90a). Measured
+//     on the H200 (docs/PERF_NOTES.md) it went from 1.4e4 to 4.9e3 cycles per
+//     chunk (3.6e3 with 4 compute warps), and the fused kernel is faster than
+//     K1 + K2 wherever its blocks fill the SMs: the stage's rule (kda_fwd_plan,
+//     see kda.h) takes it there, at V = 128, and the split path elsewhere. The
+//     binding allocates the workspace only for the split path.
 //
 //   * The split path's K2 is two compute warps wide as soon as those blocks
 //     cover the SMs once (stage 07 asked for twice), and K1 keeps each row's
 //     beta in its load register (see load_rows).
+//
+//   * Where the split path runs (few heads), its workspace is bounded too: the
+//     binding runs the sequence in segments of 64 chunks, K1 + K2 per segment
+//     (kda_fwd_launch's `kernels`), each K2 block starting from the state the
+//     last segment left in ht, with two workspace buffers so that K1 of the
+//     next segment runs on a side stream beside K2 of this one. The kernels
+//     take the segment's first chunk and length (p.n0, p.NC).
 //
 // Numerics: the split path has stage 07's roundings (bitwise equal outputs).
 // The fused path's prepare uses ex2.approx, rcp.approx and rsqrt (MUFU, about
@@ -100,35 +105,18 @@ using WarpMma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_1, _1, _1>>{}))
 // thread's index inside the tiled MMA (0 .. size(mma) - 1). K-block by K-block
 // (16 wide): copy this thread's share of A and B into registers, then issue the
 // MMAs of the block.
-//
-// The A operand (16 x 16 per warp and k-block, rows 16-byte aligned and K-contiguous
-// in every tile of this file) comes by ldmatrix: one LDSM.x4 per k-block gives the
-// warp's four 8x8 quadrants straight in fragment order, where a per-element copy is
-// four 32-bit shared loads plus their address arithmetic. The rows' 16-byte padding
-// (kPad) keeps the eight row addresses of each quadrant on different banks.
-template <class TiledMma>
-__device__ __forceinline__ auto a_loader(TiledMma const& mma) {
-  return make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, bf16>{}, mma);
-}
-
-template <class BAtom, class TiledMma, class TensorA, class TensorB, class TensorC>
+template <class TiledMma, class TensorA, class TensorB, class TensorC>
 __device__ __forceinline__ void mma_smem(TiledMma const& mma, int idx, TensorA const& sA,
                                          TensorB const& sB, TensorC& acc) {
   auto thr_mma = mma.get_slice(idx);
-  auto ldsm = a_loader(mma);
-  auto thr_ldsm = ldsm.get_slice(idx);
-  auto ldsm_b = make_tiled_copy_B(Copy_Atom<BAtom, bf16>{}, mma);
-  auto thr_ldsm_b = ldsm_b.get_slice(idx);
-  Tensor tXsA = thr_ldsm.partition_S(sA);          // (CPY, CPY_M, CPY_K) this thread's ldmatrix rows
-  Tensor tXsB = thr_ldsm_b.partition_S(sB);
+  Tensor tCsA = thr_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K)
+  Tensor tCsB = thr_mma.partition_B(sB);           // (MMA, MMA_N, MMA_K)
   Tensor tCrA = thr_mma.partition_fragment_A(sA);  // (MMA, MMA_M, MMA_K) bf16 registers
-  Tensor tXrA = thr_ldsm.retile_D(tCrA);           // the same registers, as the copy's destination
   Tensor tCrB = thr_mma.partition_fragment_B(sB);  // (MMA, MMA_N, MMA_K) bf16 registers
-  Tensor tXrB = thr_ldsm_b.retile_D(tCrB);
   CUTE_UNROLL
   for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-    copy(ldsm, tXsA(_, _, kb), tXrA(_, _, kb));
-    copy(ldsm_b, tXsB(_, _, kb), tXrB(_, _, kb));
+    copy(tCsA(_, _, kb), tCrA(_, _, kb));
+    copy(tCsB(_, _, kb), tCrB(_, _, kb));
     gemm(mma, tCrA(_, _, kb), tCrB(_, _, kb), acc);  // acc += A_kb * B_kb^T
   }
 }
@@ -147,14 +135,11 @@ template <class TiledMma, class TensorA, class FragB, class TensorC>
 __device__ __forceinline__ void mma_smem_reg(TiledMma const& mma, int idx, TensorA const& sA,
                                              FragB const& rB, TensorC& acc) {
   auto thr_mma = mma.get_slice(idx);
-  auto ldsm = a_loader(mma);
-  auto thr_ldsm = ldsm.get_slice(idx);
-  Tensor tXsA = thr_ldsm.partition_S(sA);          // (CPY, CPY_M, CPY_K)
+  Tensor tCsA = thr_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K)
   Tensor tCrA = thr_mma.partition_fragment_A(sA);  // (MMA, MMA_M, MMA_K) bf16 registers
-  Tensor tXrA = thr_ldsm.retile_D(tCrA);
   CUTE_UNROLL
   for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-    copy(ldsm, tXsA(_, _, kb), tXrA(_, _, kb));
+    copy(tCsA(_, _, kb), tCrA(_, _, kb));
     gemm(mma, tCrA(_, _, kb), rB(_, _, kb), acc);  // acc += A_kb * B_kb
   }
 }
@@ -172,12 +157,6 @@ __device__ __forceinline__ void c_to_b(FragC const& c, FragB& b) {
   static_assert(size<0>(FragC{}.layout()) == 4 && size<0>(FragB{}.layout()) == 4, "SM80 16x8x16 fragments");
   static_assert(size<1>(FragC{}.layout()) == size<2>(FragB{}.layout()) &&
                 size<2>(FragC{}.layout()) == size<1>(FragB{}.layout()), "B = X as (M, N) -> (N, M) tiles");
-  // The movmatrix result is already the B register (elements 2h, 2h + 1 of the tile,
-  // low half first): written as one 32-bit word. (Written as two bf16 halves, the
-  // compiler split and re-packed every word: two PRMT and a SHF per MOVM, about a
-  // quarter of the chain's instructions.)
-  Tensor bw = recast<uint32_t>(b);  // (2, N/8, M/16): word h = elements 2h, 2h + 1
-  static_assert(size(decltype(bw.layout()){}) * 2 == size(FragB{}.layout()), "two bf16 per word");
   CUTE_UNROLL
   for (int mt = 0; mt < size<1>(c); ++mt) {
     CUTE_UNROLL
@@ -185,7 +164,10 @@ __device__ __forceinline__ void c_to_b(FragC const& c, FragB& b) {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {
         const __nv_bfloat162 x = __floats2bfloat162_rn(c(2 * h, mt, nt), c(2 * h + 1, mt, nt));
-        SM75_U32x1_MOVM_T::copy(reinterpret_cast<const uint32_t&>(x), bw(h, nt, mt));
+        uint32_t y;
+        SM75_U32x1_MOVM_T::copy(reinterpret_cast<const uint32_t&>(x), y);
+        b(2 * h, nt, mt) = bf16::bitcast(static_cast<uint16_t>(y & 0xffffu));
+        b(2 * h + 1, nt, mt) = bf16::bitcast(static_cast<uint16_t>(y >> 16));
       }
     }
   }
@@ -406,180 +388,85 @@ __device__ __forceinline__ float sigmoid_approx(float x) {
   return rcp_approx(1.0f + ex2_approx(-1.4426950408889634f * x));
 }
 
-// Phase 1 (K1): the rows' sums of squares, their warp sums (warp_sum's butterfly),
-// then each row's normalisation and gate, with stage 07's arithmetic in stage 07's
-// order (the split path stays bitwise stage 07's). The source order puts the four
-// rows' work side by side: first every sum of squares, then the butterfly level by
-// level over all rows (8 independent shuffles in flight).
-template <int K, int V>
-__device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
-                                           int warp, int lane, const RawRows<K, V>& r) {
+// Phase 1 for P chunks at once (n .. n + P - 1: scratch sm[x], raw rows r[x]).
+// The source order interleaves the chunks' and rows' work: first the sums of
+// squares of every row, then their warp sums level by level (4P rows x 2: that
+// many independent shuffles in flight), then each row's normalisation and gate.
+// (Written row after row, the compiler kept each row's chains in turn: a warp
+// per scheduler then waits on its own shuffle and MUFU latencies.) K1: P = 1,
+// and the same arithmetic in the same order as stage 07 (the butterfly is
+// warp_sum's).
+// kFast (the fused kernel, where this phase is on the critical path of every
+// block): rsqrt and sigmoid by the approximations above (no IEEE slow-path
+// branches), the sigmoid's exponent as one FMA, qn with the scale folded in
+// (qd = scale qn e needs it nowhere else) and a in log2 units (a log2 e, so
+// that decay_columns needs no multiply before ex2).
+template <int K, int V, bool kFast = false, int P = 1>
+__device__ __forceinline__ void stage_rows(K1Smem<K, V>* sm, const KdaFwdParams& p, const GateParams<K>& gp, int n,
+                                           int warp, int lane, const RawRows<K, V>* r) {
   constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV, VV = RawRows<K, V>::VV;
-  float sq[kRows], sk[kRows];
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float aexp = gp.aexp;
+  const float* dtb = gp.dtb;
+  float c0[QV];  // kFast: 2^(g c1 + c0[j]) = exp(-aexp (g + dt_bias)), c1 = -aexp log2 e
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    sq[i] = sk[i] = 0.f;
+  for (int j = 0; j < QV; ++j) c0[j] = -aexp * kLog2e * dtb[j];
+  float sq[P][kRows], sk[P][kRows];
 #pragma unroll
-    for (int j = 0; j < QV; ++j) {
-      const float qf = static_cast<float>(r.q[i][j]), kf = static_cast<float>(r.k[i][j]);
-      sq[i] += qf * qf;
-      sk[i] += kf * kf;
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
+  for (int x = 0; x < P; ++x) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      sq[i] += __shfl_xor_sync(kFullMask, sq[i], off);
-      sk[i] += __shfl_xor_sync(kFullMask, sk[i], off);
-    }
-  }
-  const int len = min(BT, p.T - n * BT);
+      sq[x][i] = sk[x][i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int c = warp * kRows + i;
-    const bool real = c < len;
-    const float rq = 1.0f / sqrtf(sq[i] + kL2Eps), rk = 1.0f / sqrtf(sk[i] + kL2Eps);
-    float qn[QV], kn[QV], av[QV];
-#pragma unroll
-    for (int j = 0; j < QV; ++j) {
-      qn[j] = static_cast<float>(r.q[i][j]) * rq;
-      kn[j] = static_cast<float>(r.k[i][j]) * rk;
-      const float xg = static_cast<float>(r.g[i][j]) + gp.dtb[j];
-      av[j] = real ? p.lower_bound * sigmoid_f(gp.aexp * xg) : 0.f;
-    }
-    store_vec(&sm.qn[c][lane * QV], qn);
-    store_vec(&sm.kn[c][lane * QV], kn);
-    store_vec(&sm.a[c][lane * QV], av);
-    store_vec(&sm.v[c][lane * VV], r.v[i]);
-    if (lane == 0) sm.beta[c] = real ? sigmoid_f(static_cast<float>(r.beta[i])) : 0.f;
-  }
-}
-
-// The fused prepare's phase 0 and 1 in another layout: one token row per 8 lanes.
-// Lane l of warp w holds row 4w + l / 8, and of it the K/32 groups of 4 features
-// 32 m + 4 (l % 8) .. + 3 (m = 0 .. K/32 - 1), likewise for v: a row's sums of squares
-// are then 3 butterfly levels over its 8 lanes (6 shuffles per lane and chunk), where
-// RawRows' layout (a lane across the 4 rows of its warp) needs 5 levels for each of
-// the 4 rows and 2 tensors (40 shuffles) -- in the fused kernel the shuffles and
-// their latencies were the largest part of the prepare (ncu). The groups of 4 keep
-// the loads 8-byte vectors and each quarter-warp's 16-byte shared stores on 32
-// different banks. K1 keeps RawRows (its sums in stage 07's order, bitwise).
-template <int K, int V>
-struct RowSlices {
-  static constexpr int G = K / 32, GV = V / 32;  // groups of 4 features per lane
-  bf16 q[G][4], k[G][4], g[G][4], v[GV][4];
-  bf16 beta;  // raw bf16, converted in stage_row_slices (see load_rows)
-};
-
-template <int K, int V>
-__device__ __forceinline__ void load_row_slices(const KdaFwdParams& p, int b, int h, int n, int warp, int lane,
-                                                RowSlices<K, V>& r) {
-  constexpr int G = RowSlices<K, V>::G, GV = RowSlices<K, V>::GV;
-  const bf16* q = reinterpret_cast<const bf16*>(p.q);
-  const bf16* k = reinterpret_cast<const bf16*>(p.k);
-  const bf16* g = reinterpret_cast<const bf16*>(p.g);
-  const bf16* v = reinterpret_cast<const bf16*>(p.v);
-  const int t0 = n * BT, c = warp * 4 + lane / 8, f0 = 4 * (lane % 8);
-  if (c < min(BT, p.T - t0)) {
-    const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;  // token row (b, t, h)
-#pragma unroll
-    for (int m = 0; m < G; ++m) {
-      load_vec(q + row * K + 32 * m + f0, r.q[m]);
-      load_vec(k + row * K + 32 * m + f0, r.k[m]);
-      load_vec(g + row * K + 32 * m + f0, r.g[m]);
-    }
-#pragma unroll
-    for (int m = 0; m < GV; ++m) load_vec(v + row * V + 32 * m + f0, r.v[m]);
-    r.beta = reinterpret_cast<const bf16*>(p.beta)[row];
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int m = 0; m < G; ++m) r.q[m][j] = r.k[m][j] = r.g[m][j] = bf16(0.f);
-#pragma unroll
-      for (int m = 0; m < GV; ++m) r.v[m][j] = bf16(0.f);
-    }
-    r.beta = bf16(0.f);
-  }
-}
-
-// The head's gate parameters for the row-slice layout: exp(A_log[h]) log2 e and, per
-// feature of the lane, c0 = -exp(A_log[h]) log2 e dt_bias, so that the sigmoid's
-// exponent 2^(g c1 + c0) = exp(-exp(A_log) (g + dt_bias)) is one FMA (c1 = -aexp log2 e).
-template <int K>
-struct GateSlices {
-  float c1, c0[K / 32][4];
-};
-template <int K>
-__device__ __forceinline__ GateSlices<K> gate_slices(const KdaFwdParams& p, int h, int lane) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  GateSlices<K> gs;
-  const float aexp = expf(p.A_log[h]);
-  gs.c1 = -aexp * kLog2e;
-#pragma unroll
-  for (int m = 0; m < K / 32; ++m)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) gs.c0[m][j] = gs.c1 * p.dt_bias[(size_t)h * K + 32 * m + 4 * (lane % 8) + j];
-  return gs;
-}
-
-// Phase 1 of the fused prepare (stage_rows' work, row-slice layout, fast math):
-// qn = scale q rsqrt(sum q^2 + eps) (the scale folded in: qd = scale qn e needs it
-// nowhere else), kn likewise without the scale, a = lb log2 e sigmoid(...) (log2
-// units, so that decay_columns needs no multiply before ex2), beta = sigmoid(beta),
-// v as bf16. rsqrt, ex2.approx and rcp.approx are single MUFU instructions with no
-// slow-path branches. Padded tokens: a = 0, beta = 0 (q = k = v = 0 from the loads).
-template <int K, int V>
-__device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateSlices<K>& gs,
-                                                 int n, int warp, int lane, const RowSlices<K, V>& r) {
-  constexpr int G = RowSlices<K, V>::G, GV = RowSlices<K, V>::GV;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int c = warp * 4 + lane / 8, f0 = 4 * (lane % 8);
-  float sq = 0.f, sk = 0.f;
-#pragma unroll
-  for (int m = 0; m < G; ++m) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float qf = static_cast<float>(r.q[m][j]), kf = static_cast<float>(r.k[m][j]);
-      sq = fmaf(qf, qf, sq);
-      sk = fmaf(kf, kf, sk);
+      for (int j = 0; j < QV; ++j) {
+        const float qf = static_cast<float>(r[x].q[i][j]), kf = static_cast<float>(r[x].k[i][j]);
+        sq[x][i] += qf * qf;
+        sk[x][i] += kf * kf;
+      }
     }
   }
 #pragma unroll
-  for (int off = 1; off < 8; off <<= 1) {  // the row's 8 lanes
-    sq += __shfl_xor_sync(kFullMask, sq, off);
-    sk += __shfl_xor_sync(kFullMask, sk, off);
-  }
-  const float rq = rsqrtf(sq + kL2Eps) * p.scale, rk = rsqrtf(sk + kL2Eps);
-  const bool real = c < min(BT, p.T - n * BT);
-  const float lb2 = real ? p.lower_bound * kLog2e : 0.f;
+  for (int off = 16; off > 0; off >>= 1) {  // warp_sum's butterfly, every row side by side
 #pragma unroll
-  for (int m = 0; m < G; ++m) {
-    float qn[4], kn[4], av[4];
+    for (int x = 0; x < P; ++x) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      qn[j] = static_cast<float>(r.q[m][j]) * rq;
-      kn[j] = static_cast<float>(r.k[m][j]) * rk;
-      av[j] = lb2 * rcp_approx(1.0f + ex2_approx(fmaf(static_cast<float>(r.g[m][j]), gs.c1, gs.c0[m][j])));
+      for (int i = 0; i < kRows; ++i) {
+        sq[x][i] += __shfl_xor_sync(kFullMask, sq[x][i], off);
+        sk[x][i] += __shfl_xor_sync(kFullMask, sk[x][i], off);
+      }
     }
-    store_vec(&sm.qn[c][32 * m + f0], qn);
-    store_vec(&sm.kn[c][32 * m + f0], kn);
-    store_vec(&sm.a[c][32 * m + f0], av);
   }
 #pragma unroll
-  for (int m = 0; m < GV; ++m) store_vec(&sm.v[c][32 * m + f0], r.v[m]);
-  if (lane % 8 == 0) sm.beta[c] = real ? sigmoid_approx(static_cast<float>(r.beta)) : 0.f;
-}
-
-// exp(glast) of key dimension d is stored at el_index(d): the K/8 values that a
-// compute warp's lane multiplies its state rows by (rows d = g + 8 j of the MMA
-// fragment, g = lane / 4, j = 0 .. K/8 - 1) lie side by side, so that the lane
-// reads them with K/32 16-byte loads (one shared-memory wavefront each: 8 lanes,
-// 8 addresses) instead of K/8 single loads.
-template <int K>
-__device__ __forceinline__ int el_index(int d) {
-  return (d % 8) * (K / 8) + d / 8;
+  for (int x = 0; x < P; ++x) {
+    const int len = min(BT, p.T - (n + x) * BT);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int c = warp * kRows + i;
+      const bool real = c < len;
+      const float rq = kFast ? rsqrtf(sq[x][i] + kL2Eps) * p.scale : 1.0f / sqrtf(sq[x][i] + kL2Eps);
+      const float rk = kFast ? rsqrtf(sk[x][i] + kL2Eps) : 1.0f / sqrtf(sk[x][i] + kL2Eps);
+      const float lb2 = real ? p.lower_bound * kLog2e : 0.f;  // kFast: padded rows get a = 0
+      float qn[QV], kn[QV], av[QV];
+#pragma unroll
+      for (int j = 0; j < QV; ++j) {
+        qn[j] = static_cast<float>(r[x].q[i][j]) * rq;
+        kn[j] = static_cast<float>(r[x].k[i][j]) * rk;
+        if constexpr (kFast) {
+          const float t = ex2_approx(fmaf(static_cast<float>(r[x].g[i][j]), -aexp * kLog2e, c0[j]));
+          av[j] = lb2 * rcp_approx(1.0f + t);
+        } else {
+          const float xg = static_cast<float>(r[x].g[i][j]) + dtb[j];
+          av[j] = real ? p.lower_bound * sigmoid_f(aexp * xg) : 0.f;
+        }
+      }
+      store_vec(&sm[x].qn[c][lane * QV], qn);
+      store_vec(&sm[x].kn[c][lane * QV], kn);
+      store_vec(&sm[x].a[c][lane * QV], av);
+      store_vec(&sm[x].v[c][lane * VV], r[x].v[i]);
+      const float braw = static_cast<float>(r[x].beta[i]);
+      if (lane == 0) sm[x].beta[c] = real ? (kFast ? sigmoid_approx(braw) : sigmoid_f(braw)) : 0.f;
+    }
+  }
 }
 
 // Phase 2: one thread per key dimension d (a column of the chunk).
@@ -589,108 +476,128 @@ __device__ __forceinline__ int el_index(int d) {
 //   kd = kn e, ki = kn / e, qd = scale qn e   -> shared (bf16)
 //   qd -> out_qd [BT, K] (rows LDQ apart);  kr = kn e^glast / e -> out_krT as kr^T
 //   [K, BT] (rows LDKR apart; row d is this thread's 16 values: two 16-byte
-//   stores);  exp(glast) -> out_el [K] (at el_index(d)).
+//   stores);  exp(glast) -> out_el [K].
+//   P chunks at once (scratch sm[x], destinations out_*[x]), interleaved in the
+//   source as in stage_rows; K1: P = 1.
 //   kFast (the fused kernel, where this phase is on the critical path): a comes
-//   in log2 units and qn already scaled (stage_row_slices), e and 1/e are two
+//   in log2 units and qn already scaled (stage_rows<kFast>), e and 1/e are two
 //   ex2.approx of +-gc -- about 2e-7 relative error each, far below the bf16
-//   rounding (4e-3) that follows -- and the column is done in three passes:
-//   every shared load, then the arithmetic, then every store (in one loop over
-//   c, each row's loads waited behind the previous row's stores: the compiler
-//   cannot tell the ring slot from the scratch). K1 keeps expf and one loop, so
-//   that the split path stays bitwise stage 07's. kQdScratch = false: qd goes to
-//   out_qd only (products then reads it there).
-template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true>
-__device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
-                                              bf16* out_krT, float* out_el) {
+//   rounding (4e-3) that follows; K1 keeps expf so that the split path stays
+//   bitwise stage 07's. kQdScratch = false: qd goes to out_qd only (products
+//   then reads it there).
+template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true, int P = 1>
+__device__ __forceinline__ void decay_columns(K1Smem<K, V>* sm, const KdaFwdParams& p, int tid,
+                                              bf16* const* out_qd, bf16* const* out_krT, float* const* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
 #pragma unroll
   for (int d0 = 0; d0 < K; d0 += kThreads) {  // K = 128: once, no loop; K = 64: threads 64-127 idle
     const int d = d0 + tid;
     if (K % kThreads != 0 && d >= K) break;
-    uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
     if constexpr (kFast) {
-      float av[BT], kv[BT], qv[BT];
+      // the fused prepare: chunk after chunk, each in three passes -- every shared load
+      // (a, kn, qn of the column), then the arithmetic, then every store. Written as one
+      // loop over c, each row's loads waited behind the previous row's stores (the
+      // compiler cannot tell the ring slot's pointers from the scratch), one shared-
+      // memory latency per row of the chunk.
 #pragma unroll
-      for (int c = 0; c < BT; ++c) {
-        av[c] = sm.a[c][d];
-        kv[c] = sm.kn[c][d];
-        qv[c] = sm.qn[c][d];
+      for (int x = 0; x < P; ++x) {
+        float av[BT], kv[BT], qv[BT];
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          av[c] = sm[x].a[c][d];
+          kv[c] = sm[x].kn[c][d];
+          qv[c] = sm[x].qn[c][d];
+        }
+        float acc = 0.f;
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          acc += av[c];
+          av[c] = acc;  // gc (log2 units)
+        }
+        const float el = ex2_approx(acc);  // exp(glast)
+        bf16 kd[BT], ki[BT], qd[BT];
+        uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          const float e = ex2_approx(av[c]), ie = ex2_approx(-av[c]);
+          kd[c] = bf16(kv[c] * e);
+          ki[c] = bf16(kv[c] * ie);
+          qd[c] = bf16(qv[c] * e);  // qn carries the scale (stage_rows<kFast>)
+          const uint32_t kr_bits = bf16(kv[c] * (el * ie)).raw();
+          kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
+        }
+#pragma unroll
+        for (int c = 0; c < BT; ++c) {
+          sm[x].kd[c][d] = kd[c];
+          sm[x].ki[c][d] = ki[c];
+          if constexpr (kQdScratch) sm[x].qd[c][d] = qd[c];
+          out_qd[x][c * LDQ + d] = qd[c];
+        }
+        out_el[x][d] = el;
+        uint4* dst = reinterpret_cast<uint4*>(out_krT[x] + (size_t)d * LDKR);  // 32 bytes, 16-byte aligned row
+        dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
+        dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
       }
-      float acc = 0.f;
+      continue;
+    }
+    float gc[P][BT], acc[P], el[P];
 #pragma unroll
-      for (int c = 0; c < BT; ++c) {
-        acc += av[c];
-        av[c] = acc;  // gc (log2 units)
-      }
-      const float el = ex2_approx(acc);  // exp(glast)
-      bf16 kd[BT], ki[BT], qd[BT];
+    for (int x = 0; x < P; ++x) acc[x] = 0.f;
 #pragma unroll
-      for (int c = 0; c < BT; ++c) {
-        const float e = ex2_approx(av[c]), ie = ex2_approx(-av[c]);
-        kd[c] = bf16(kv[c] * e);
-        ki[c] = bf16(kv[c] * ie);
-        qd[c] = bf16(qv[c] * e);  // qn carries the scale (stage_row_slices)
-        const uint32_t kr_bits = bf16(kv[c] * (el * ie)).raw();
-        kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
-      }
+    for (int c = 0; c < BT; ++c) {
 #pragma unroll
-      for (int c = 0; c < BT; ++c) {
-        sm.kd[c][d] = kd[c];
-        sm.ki[c][d] = ki[c];
-        if constexpr (kQdScratch) sm.qd[c][d] = qd[c];
-        out_qd[c * LDQ + d] = qd[c];
-      }
-      out_el[el_index<K>(d)] = el;
-    } else {
-      float gc[BT], acc = 0.f;
-#pragma unroll
-      for (int c = 0; c < BT; ++c) {
-        acc += sm.a[c][d];
-        gc[c] = acc;
-      }
-      const float el = expf(acc);  // exp(glast)
-      out_el[el_index<K>(d)] = el;
-#pragma unroll
-      for (int c = 0; c < BT; ++c) {
-        const float e = expf(gc[c]);
-        const float ie = 1.0f / e;
-        const float knv = sm.kn[c][d];
-        sm.kd[c][d] = bf16(knv * e);
-        sm.ki[c][d] = bf16(knv * ie);
-        const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
-        if constexpr (kQdScratch) sm.qd[c][d] = qdv;
-        out_qd[c * LDQ + d] = qdv;
-        const uint32_t kr_bits = bf16(knv * (el * ie)).raw();
-        kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
+      for (int x = 0; x < P; ++x) {
+        acc[x] += sm[x].a[c][d];
+        gc[x][c] = acc[x];
       }
     }
-    uint4* dst = reinterpret_cast<uint4*>(out_krT + (size_t)d * LDKR);  // 32 bytes of a 16-byte aligned row
-    dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
-    dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
+#pragma unroll
+    for (int x = 0; x < P; ++x) {
+      el[x] = expf(acc[x]);  // exp(glast)
+      out_el[x][d] = el[x];
+    }
+    uint32_t kr_row[P][BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        const float e = expf(gc[x][c]);
+        const float ie = 1.0f / e;
+        const float knv = sm[x].kn[c][d];
+        sm[x].kd[c][d] = bf16(knv * e);
+        sm[x].ki[c][d] = bf16(knv * ie);
+        const bf16 qdv = bf16(p.scale * sm[x].qn[c][d] * e);
+        if constexpr (kQdScratch) sm[x].qd[c][d] = qdv;
+        out_qd[x][c * LDQ + d] = qdv;
+        const uint32_t kr_bits = bf16(knv * (el[x] * ie)).raw();
+        kr_row[x][c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[x][c / 2] | (kr_bits << 16));
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < P; ++x) {
+      uint4* dst = reinterpret_cast<uint4*>(out_krT[x] + (size_t)d * LDKR);  // 32 bytes of a 16-byte aligned row
+      dst[0] = make_uint4(kr_row[x][0], kr_row[x][1], kr_row[x][2], kr_row[x][3]);
+      dst[1] = make_uint4(kr_row[x][4], kr_row[x][5], kr_row[x][6], kr_row[x][7]);
+    }
   }
 }
 
-// Phase 3: L/Aqk products, one warp each (both read ki as B; warps 2-3 wait):
-//   warp 0:  L   = strict_lower(beta[:, None] * (kd @ ki^T))  -> shared, fp32
-//   warp 1:  Aqk = lower_incl_diag(qd @ ki^T)                 -> out_Aqk (rows LDA apart), bf16
-// One warp per 16 x 16 product loads its A operand once (two warps side by side,
-// 8 columns each, loaded it twice): shared-memory bandwidth bounds the fused
-// kernel, and the warp's two column tiles are independent chains of the same
-// length as one.
+// Phase 3: L/Aqk products, two 64-thread tiled MMAs side by side (both read ki as B):
+//   warps 0-1:  L   = strict_lower(beta[:, None] * (kd @ ki^T))  -> shared, fp32
+//   warps 2-3:  Aqk = lower_incl_diag(qd @ ki^T)                 -> out_Aqk (rows LDA apart), bf16
 template <int K, int V, int LDA>
 __device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, const bf16* qd, bf16* out_Aqk) {
-  WarpMma mma;
-  const int warp = tid / 32, idx = tid % 32;  // warp 0: L, warp 1: Aqk, each loading its A once
-  if (warp > 1) return;
+  TiledMma2 mma;
+  const int idx = tid % 64;  // thread index inside its 64-thread MMA
   auto thr_mma = mma.get_slice(idx);
   Tensor sKi = smem_rows<BT, K, K + kPad>(&sm.ki[0][0]);          // (BT,K)   (i, d)
   Tensor cC = make_identity_tensor(Shape<Int<BT>, Int<BT>>{});    // (BT,BT)  -> (c, i)
   Tensor tCcC = thr_mma.partition_C(cC);                          // (MMA,MMA_M,MMA_N)
   Tensor acc = thr_mma.partition_fragment_C(cC);                  // (MMA,MMA_M,MMA_N) fp32
   clear(acc);
-  if (warp == 0) {
+  if (tid < 64) {
     Tensor sKd = smem_rows<BT, K, K + kPad>(&sm.kd[0][0]);        // (BT,K)   (c, d)
-    mma_smem<SM75_U32x2_LDSM_N>(mma, idx, sKd, sKi, acc);         // kd @ ki^T
+    mma_smem(mma, idx, sKd, sKi, acc);                            // kd @ ki^T
     Tensor sL = smem_rows<BT, BT, BT>(&sm.L[0][0]);               // (BT,BT)  (c, i)
     Tensor tCsL = thr_mma.partition_C(sL);
     CUTE_UNROLL
@@ -700,7 +607,7 @@ __device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, const bf16* 
     }
   } else {
     Tensor sQd = smem_rows<BT, K, K + kPad>(qd);                  // (BT,K)   (c, d)
-    mma_smem<SM75_U32x2_LDSM_N>(mma, idx, sQd, sKi, acc);         // qd @ ki^T
+    mma_smem(mma, idx, sQd, sKi, acc);                            // qd @ ki^T
     Tensor gA = make_tensor(make_gmem_ptr(out_Aqk),
                             make_layout(Shape<Int<BT>, Int<BT>>{}, make_stride(Int<LDA>{}, _1{})));  // (BT,BT)
     Tensor tCgA = thr_mma.partition_C(gA);
@@ -755,7 +662,7 @@ __device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, floa
                            make_layout(Shape<Int<BT>, Int<K>>{}, make_stride(Int<LDW>{}, _1{})));  // (BT,K)
   Tensor accW = thr_mma.partition_fragment_C(gWt);            // (MMA,MMA_M,MMA_N)
   clear(accW);
-  mma_smem<SM75_U16x4_LDSM_T>(mma, tid, sAf, sKdT, accW);
+  mma_smem(mma, tid, sAf, sKdT, accW);
   Tensor tCgW = thr_mma.partition_C(gWt);
   CUTE_UNROLL
   for (int e = 0; e < size(accW); ++e) tCgW(e) = bf16(accW(e));
@@ -764,7 +671,7 @@ __device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, floa
   Tensor tCcU = thr_mma.partition_C(cU);
   Tensor accU = thr_mma.partition_fragment_C(cU);             // (MMA,MMA_M,MMA_N)
   clear(accU);
-  mma_smem<SM75_U16x4_LDSM_T>(mma, tid, sAf, sVT, accU);
+  mma_smem(mma, tid, sAf, sVT, accU);
   CUTE_UNROLL
   for (int e = 0; e < size(accU); ++e) {
     const int c = get<0>(tCcU(e)), vd = get<1>(tCcU(e)) - u_col0;
@@ -794,12 +701,12 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
 
   RawRows<K, V> raw;
   load_rows(p, b, h, n, warp, lane, raw);
-  stage_rows(sm, p, gate_params<K>(p, h, lane), n, warp, lane, raw);
+  stage_rows(&sm, p, gate_params<K>(p, h, lane), n, warp, lane, &raw);
   __syncthreads();
   bf16* const qd_out = reinterpret_cast<bf16*>(p.qd) + slot * BT * K;
   bf16* const krT_out = reinterpret_cast<bf16*>(p.krT) + slot * K * BT;
   float* const el_out = p.el + slot * K;
-  decay_columns<K, V, K, BT>(sm, p, tid, qd_out, krT_out, el_out);
+  decay_columns<K, V, K, BT>(&sm, p, tid, &qd_out, &krT_out, &el_out);
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRE, tp);
   products<K, V, BT>(sm, tid, &sm.qd[0][0], reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
@@ -829,7 +736,7 @@ struct K2Slot {
   alignas(16) bf16 krT[K][BT + kPad];   // A (d, c) of kr^T @ vcorr
   alignas(16) bf16 Aqk[BT][BT + kPad];  // A (c, j) of Aqk @ vcorr
   alignas(16) float u[BT][VW * NCW];    // u[c, col0 + vd] of the chunk (the block's columns)
-  alignas(16) float el[K];              // exp(glast) of the chunk, at el_index(d)
+  alignas(16) float el[K];              // exp(glast) of the chunk
 };
 
 // Shared memory of K2: only the ring (K = 128: about 55 KB). The state and
@@ -940,20 +847,8 @@ __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const Kda
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_OSTORE, tp);
 
     // ---- S = diag(exp(glast)) S + kr^T @ vcorr: decay in place, then accumulate ----
-    {  // lane (g, t) holds rows d = 16 mt + g + 8 (v / 2) of S: el[g + 8 j] with j = 2 mt + v / 2
-      float elv[K / 8];  // stored at el_index (decay_columns): K/32 16-byte loads
-      CUTE_UNROLL
-      for (int i = 0; i < K / 32; ++i) {
-        const float4 x = *reinterpret_cast<const float4*>(&st.el[(lane / 4) * (K / 8) + 4 * i]);
-        elv[4 * i] = x.x, elv[4 * i + 1] = x.y, elv[4 * i + 2] = x.z, elv[4 * i + 3] = x.w;
-      }
-      CUTE_UNROLL
-      for (int mt = 0; mt < size<1>(rS); ++mt)
-        CUTE_UNROLL
-        for (int nt = 0; nt < size<2>(rS); ++nt)
-          CUTE_UNROLL
-          for (int v = 0; v < 4; ++v) rS(v, mt, nt) *= elv[2 * mt + v / 2];
-    }
+    CUTE_UNROLL
+    for (int e = 0; e < size(rS); ++e) rS(e) *= st.el[get<0>(tCcS(e))];
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_DECAY, tp);
     mma_smem_reg(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), rVc, rS);
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
@@ -1052,16 +947,26 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
 // ===========================================================================
 
 // The prepare of the fused kernel (see kda_fused_kernel): kPrepTeams teams of
-// 4 warps on alternate chunks, and the ring depth: a multiple of the teams, so
-// that each team has its own slots (team t: slots t, t + kPrepTeams).
+// 4 warps, each team taking kPrepChunks chunks per step, and the ring depth: a
+// multiple of both, so that a step's chunks take neighbouring slots and the
+// teams' slots never meet.
 constexpr int kPrepTeams = 2;
-constexpr int kFusedStages = 2 * kPrepTeams;
+constexpr int kPrepChunks = 1;
+constexpr int kFusedStages = 2 * kPrepTeams * kPrepChunks;
 constexpr int kPrepThreads = kPrepTeams * kThreads;
 
-// Shared memory of the fused kernel: one prepare scratch per team, and the ring of prepared chunks (K = V = 128, 8 compute warps: about 185 KB).
+// Registers per thread after the block is running, where the fused kernel's warps
+// outnumber what 168 registers each allow (8 compute warps: 16 warps, 128 each at
+// launch): setmaxnreg hands the prepare warps' spare registers to the compute
+// warps, whose register-resident state needs about 150 (sm_90a only; the sum is
+// the register file, 8 x 32 x (104 + 152) = 65536).
+constexpr int kPrepRegs = 104, kComputeRegs = 152;
+
+// Shared memory of the fused kernel: one prepare scratch per team and chunk of a
+// step, and the ring of prepared chunks (K = V = 128, 8 compute warps: about 185 KB).
 template <int K, int V, int NCW>
 struct FusedSmem {
-  K1Smem<K, V> prep[kPrepTeams];
+  K1Smem<K, V> prep[kPrepTeams][kPrepChunks];
   K2Smem<K, NCW, kFusedStages> ring;
 };
 
@@ -1085,12 +990,11 @@ __device__ __forceinline__ void prep_sync(int team) {
 // scratch and named barrier: team t prepares chunks t, t + 2, t + 4, ... (the
 // ring's slots t and t + 2), and while one team waits on a latency the other's
 // warp on the same scheduler issues. Inside a team the phases' work is written
-// interleaved (stage_row_slices, decay_columns). Each team issues its next chunk's
+// interleaved (stage_rows, decay_columns). Each team issues its next chunk's
 // global loads before the phases of the current one, so only the first chunk
-// waits for memory. With 8 compute warps the block is 16 warps, 128 registers
-// each: enough for both since the compute warps' B fragments are written as
-// words (c_to_b) and their A fragments come by ldmatrix (measured: 128 for both
-// was faster than moving registers to the compute warps with setmaxnreg).
+// waits for memory. With 8 compute warps the block is 16 warps, and setmaxnreg
+// moves registers from the prepare warps (kPrepRegs) to the compute warps
+// (kComputeRegs).
 //
 // Nothing is written to global memory but o and ht; the price is that the
 // prepare, chunk-parallel in K1, becomes a serial stream per block beside the
@@ -1099,7 +1003,7 @@ __device__ __forceinline__ void prep_sync(int team) {
 // 32 * (8 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
 // Profile: slot = block index; thread 0 of each team times its prepare (K1
-// regions summed over all chunks; K2L_ISSUE = stage_row_slices + the next chunk's
+// regions summed over all chunks; K2L_ISSUE = stage_rows + the next chunk's
 // loads; K2L_WAIT_SLOT = the team's barrier and the wait for a free slot),
 // compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
@@ -1108,9 +1012,12 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
   constexpr int VC = VW * NCW;  // value columns per block
   constexpr int NS = V / VC;    // column slices per head
   constexpr int kStages = kFusedStages;
+  constexpr int P = kPrepChunks;
   constexpr int kPrepWarps = kPrepThreads / 32;
+  constexpr bool kMoveRegs = kPrepWarps + NCW > 12;  // more than 168 registers a thread cannot be had at launch
   static_assert(V % VC == 0, "V multiple of 16 * NCW");
-  static_assert(kStages % kPrepTeams == 0, "each team its own slots");
+  static_assert(kStages % (kPrepTeams * P) == 0 && P <= kThreads / 32, "a step's chunks in neighbouring slots");
+  static_assert(kPrepWarps % 4 == 0, "the compute warps start a warpgroup (setmaxnreg acts per warpgroup)");
   extern __shared__ __align__(16) unsigned char kda_smem[];
   FusedSmem<K, V, NCW>& sm = *reinterpret_cast<FusedSmem<K, V, NCW>*>(kda_smem);
 
@@ -1126,43 +1033,77 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
 
   if (warp < kPrepWarps) {
     // =================== the prepare teams: producers of the ring ===================
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kMoveRegs) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPrepRegs));
+#endif
     const int team = warp / 4, tid = threadIdx.x % kThreads, twarp = warp % 4;
     const int b = bh / p.H, h = bh % p.H;
+    K1Smem<K, V>* scratch = sm.prep[team];
     KDA_PROF_START(tp);
-    const GateSlices<K> gs = gate_slices<K>(p, h, lane);  // once per block, not per chunk
-    K1Smem<K, V>& scratch = sm.prep[team];
-    RowSlices<K, V> raw;
-    load_row_slices(p, b, h, team, twarp, lane, raw);
-    for (int n = team; n < p.NT; n += kPrepTeams) {  // chunk n in slot n % kStages
-      prep_sync(team);  // the team's last chunk is done with its scratch
+    const GateParams<K> gp = gate_params<K>(p, h, lane);  // once per block, not per chunk
+    RawRows<K, V> raw[P];
+    constexpr int kStride = kPrepTeams * P;  // chunks between two steps of one team
+#pragma unroll
+    for (int x = 0; x < P; ++x) load_rows(p, b, h, team * P + x, twarp, lane, raw[x]);
+    for (int n = team * P; n < p.NT; n += kStride) {  // chunk n + x in slot (n + x) % kStages
+      prep_sync(team);  // the team's last step is done with its scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      stage_row_slices(scratch, p, gs, n, twarp, lane, raw);
-      load_row_slices(p, b, h, n + kPrepTeams, twarp, lane, raw);  // the team's next chunk (past T: zero rows)
+      stage_rows<K, V, true, P>(scratch, p, gp, n, twarp, lane, raw);
+#pragma unroll
+      for (int x = 0; x < P; ++x) load_rows(p, b, h, n + kStride + x, twarp, lane, raw[x]);  // past T: zero rows
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
-      // slot s is refilled once the compute warps released chunk n - kStages
-      K2Slot<K, NCW>& st = sm.ring.slot[n % kStages];
-      if (n >= kStages) mbar_wait(&sm.ring.empty[n % kStages], (n / kStages - 1) & 1);
+      // slot s is refilled once the compute warps released chunk m - kStages
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        const int m = n + x;
+        if (m >= kStages) mbar_wait(&sm.ring.empty[m % kStages], (m / kStages - 1) & 1);
+      }
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync(team);
-      decay_columns<K, V, K + kPad, BT + kPad, true, false>(scratch, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
+      {
+        bf16* qd_out[P];
+        bf16* krT_out[P];
+        float* el_out[P];
+#pragma unroll
+        for (int x = 0; x < P; ++x) {
+          K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+          qd_out[x] = &st.qd[0][0];
+          krT_out[x] = &st.krT[0][0];
+          el_out[x] = st.el;
+        }
+        decay_columns<K, V, K + kPad, BT + kPad, true, false, P>(scratch, p, tid, qd_out, krT_out, el_out);
+      }
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
-      products<K, V, BT + kPad>(scratch, tid, &st.qd[0][0], &st.Aqk[0][0]);
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+        products<K, V, BT + kPad>(scratch[x], tid, &st.qd[0][0], &st.Aqk[0][0]);
+      }
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
-      if (twarp == 0) invert(scratch, lane);
+      if (twarp < P) invert(scratch[twarp], lane);  // a step's inverses side by side, one warp each
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
-      w_u<K, V, K + kPad, VC>(scratch, tid, &st.w[0][0], &st.u[0][0], col0);
-      // release: this thread's writes to the slot are ordered before the compute
+#pragma unroll
+      for (int x = 0; x < P; ++x) {
+        K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
+        w_u<K, V, K + kPad, VC>(scratch[x], tid, &st.w[0][0], &st.u[0][0], col0);
+      }
+      // release: this thread's writes to the slots are ordered before the compute
       // warps' reads, which wait for all 128 arrivals of the team
-      mbar_arrive(&sm.ring.full[n % kStages]);
+#pragma unroll
+      for (int x = 0; x < P; ++x)
+        if (n + x < p.NT) mbar_arrive(&sm.ring.full[(n + x) % kStages]);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_WU, tp);
     }
     return;
   }
 
   // ===================== compute warps 8 .. 8 + NCW - 1 =====================
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kMoveRegs) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kComputeRegs));
+#endif
   const int cw = warp - kPrepWarps;
   recurrence_warp<K, V, NCW>(sm.ring, p, bh, col0 + cw * VW, cw, lane, 0, p.NT);
 }

@@ -71,7 +71,7 @@ struct KdaFwdParams {
   __nv_bfloat16* krT;  // [BH, NC, K, 16] (kn * exp(glast - gc))^T   (A operand of kr^T @ vcorr)
   __nv_bfloat16* Aqk;  // [BH, NC, 16, 16] lower_incl_diag(qd @ ki^T) (A operand of Aqk @ vcorr)
   float* u;            // [BH, NC, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand)
-  float* el;           // [BH, NC, K]     exp(glast), at el_index(d)
+  float* el;           // [BH, NC, K]     exp(glast)
   // ---- outputs ----
   __nv_bfloat16* o;  // [B, T, H, V]
   float* ht;         // [B, H, K, V] final state

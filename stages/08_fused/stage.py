@@ -5,14 +5,17 @@ phases chunk after chunk into a shared-memory ring and the compute warps run
 stage 07's register-resident recurrence on it. The per-chunk workspace (about
 1.3 KB per token and head, written once and read back by every column slice)
 disappears, and with it most of the peak memory. Its prepare warps are two
-teams on alternate chunks, with fast approximations, a row layout of eight
-lanes per token and their work interleaved, so that they keep pace with the
-recurrence. The stage's rule (measured on the H200), at V = 128: the fused kernel
+teams on alternate chunks, with fast approximations and their work
+interleaved, so that they keep pace with the recurrence; with eight compute
+warps setmaxnreg moves registers from the prepare warps to them, so the stage
+builds for sm_90a on the H200. The stage's rule (measured on the H200), at V = 128: the fused kernel
 with eight compute warps once B*H fills about two thirds of the SMs, with four
 (two blocks per head) where those blocks fill one to two thirds; otherwise
 stage 07's split path (K1 chunk-parallel over every SM, then K2), two compute
-warps per K2 block once B*H*V/32 covers the SMs. ``path`` pins one path for the
-benchmark and the tests; ``frag_check`` is stage 07's fragment identity.
+warps per K2 block once B*H*V/32 covers the SMs, run in segments of
+SEGMENT_CHUNKS chunks so that its workspace is bounded too (K1 of the next
+segment beside K2 of this one). ``path`` pins one path for the benchmark and
+the tests; ``frag_check`` is stage 07's fragment identity.
 """
 
 from pathlib import Path
@@ -31,7 +34,7 @@ SOURCES = ["kda.cu", "binding.cpp"]
 SPEC = StageSpec(
     name="08_fused",
     title="stage 07 + a fused path (the prepare streams into the recurrence's block, no workspace), "
-          "taken where the heads fill the SMs, and a measured K2 width rule",
+          "taken where the heads fill the SMs; elsewhere the split path in segments (a bounded workspace)",
     devices=("cuda",),
     gates=("bounded",),
     chunk_sizes=(16,),
@@ -48,7 +51,8 @@ SPEC = StageSpec(
         "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
     ),
     region_unit="cycles",
-    extra={"cutlass": True, "min_sm": 80},
+    # sm90a: on the H200 (or with no GPU) built for sm_90a, whose setmaxnreg the fused kernel uses
+    extra={"cutlass": True, "min_sm": 80, "sm90a": True},
 )
 
 # The ideas of this stage that can be turned off one at a time (common/ablation.py).
@@ -68,7 +72,7 @@ def build(profile=False, verbose=False, ablation=None):
     """Compile (or load the cached build of) this stage's extension; ``ablation``
     names one of ABLATIONS to build with that idea turned off."""
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
-                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, sm90a=SPEC.extra["sm90a"],
                           **ablation_build_args(ABLATIONS, ablation))
 
 

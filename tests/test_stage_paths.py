@@ -1,9 +1,14 @@
-"""Stage 08 has two paths (K1 + K2, or the fused kernel) and picks one per call.
-Every path is checked on its own, whatever the rule would pick for the shape:
-against the fp64 reference and stage 07 (tolerance); the split path bitwise
-against stage 07 (same roundings), the fused path (MUFU approximations in its
-prepare) within nb.FUSED_VS_PREVIOUS (1e-3) of it; the rule's choice by size; a path that does not exist for the sizes is refused with a
-named error. The GPU tests are marked gpu; the argument checks run anywhere."""
+"""Stages 08 and 09 have two paths (K1 + K2 in segments of the sequence, or the
+fused kernel) and pick one per call. Every path is checked on its own, whatever
+the rule would pick for the shape: against the fp64 reference and the previous
+stage (tolerance); the split path bitwise against stage 07 (same roundings),
+the fused path (MUFU approximations in its prepare) within nb.FUSED_VS_PREVIOUS
+(1e-3) of the previous stage; the segments (many of them at short T, bitwise);
+the rule's choice by size; a path that does not exist for the sizes is refused
+with a named error. The GPU tests are marked gpu; the argument checks run
+anywhere."""
+
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -11,9 +16,9 @@ import torch
 from common import checks
 from common import notebook as nb  # the notebook's paths check holds every path to the same promises
 from common.metrics import rel_err
-from common.stages import load_stage
+from common.stages import load_stage, previous
 
-S08 = load_stage("08")
+PATH_STAGES = ["08", "09"]  # the stages with PATHS
 PATH_CASES = [
     checks.Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=81),          # tail chunk, h0
     checks.Case(1, 100, 5, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, h0=False, seed=82),  # T < 7 chunks
@@ -22,19 +27,29 @@ PATH_CASES = [
 ]
 
 
-def test_path_names_are_checked_before_anything_runs():
+@pytest.fixture(params=PATH_STAGES)
+def sid(request):
+    return request.param
+
+
+def test_path_names_are_checked_before_anything_runs(sid):
+    S = load_stage(sid)
     with pytest.raises(ValueError, match="path must be one of"):
-        with S08.path("fused3"):
+        with S.path("fused3"):
+            pass
+    with pytest.raises(ValueError, match="segment_chunks must be a positive int"):
+        with S.path("split1", segment_chunks=0):
             pass
 
 
-def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch):
+def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):
     from common.inputs import make_inputs
 
-    monkeypatch.setattr(S08, "_PINNED", "fused8")
+    S = load_stage(sid)
+    monkeypatch.setattr(S, "_PINNED", "fused8")
     kw = make_inputs(1, 20, 1, 64, 64, dtype=torch.bfloat16, gate="bounded", lower_bound=-5.0, chunk_size=16)
     with pytest.raises(ValueError, match="pinned path 'fused8'.*needs V >= 128, got V = 64"):
-        S08.forward(**kw)  # on the CPU: it must fail before any build or device check
+        S.forward(**kw)  # on the CPU: it must fail before any build or device check
 
 
 gpu = pytest.mark.gpu
@@ -42,94 +57,105 @@ gpu = pytest.mark.gpu
 
 @gpu
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("name", list(S08.PATHS))
-def test_every_path_is_correct_and_equal_to_stage07(name, case):
+@pytest.mark.parametrize("name", list(load_stage("08").PATHS))
+def test_every_path_is_correct_and_equal_to_the_previous_stage(sid, name, case):
     if name == "fused8" and case.V < 128:
         pytest.skip("fused8 needs V = 128 (test_fused8_refuses_v64)")
+    S, pid = load_stage(sid), previous(sid)
+    P = load_stage(pid)
     inp = checks.case_inputs(case, "cpu", torch.bfloat16)
-    with S08.path(name):
-        got = checks.run(S08.forward, inp, "cuda", backward=False)
-        # read right after the call: the check below runs stage 07 too, whose launches may replace the log
-        kernels = {x["kernel"] for x in S08.build().launches()}
-        rows = checks.check_case(S08, case, device="cuda")
+    with S.path(name):
+        got = checks.run(S.forward, inp, "cuda", backward=False)
+        # read right after the call: the check below runs the previous stage too, whose launches may replace the log
+        kernels = {x["kernel"] for x in S.build().launches()}
+        rows = checks.check_case(S, case, device="cuda")
     assert kernels == (nb.FUSED_KERNELS if name.startswith("fused") else nb.SPLIT_KERNELS), kernels
     bad = [r for r in rows if not r["ok"]]
     assert not bad, checks.format_rows(bad)
-    ref = checks.run(load_stage("07").forward, inp, "cuda", backward=False)
+    # the previous stage's same path where it has one (09 against 08), else its rule (08 against 07)
+    with (P.path(name) if name in getattr(P, "PATHS", {}) else nullcontext()):
+        ref = checks.run(P.forward, inp, "cuda", backward=False)
     if name.startswith("split"):
-        assert torch.equal(got["o"], ref["o"]) and torch.equal(got["S"], ref["S"]), "not bitwise equal to stage 07"
-    else:  # only the prepare's MUFU approximations differ; a bf16 output rounds differently here and there
+        s07 = ref if pid == "07" else checks.run(load_stage("07").forward, inp, "cuda", backward=False)
+        for r, who in ((ref, pid), (s07, "07")):
+            assert torch.equal(got["o"], r["o"]) and torch.equal(got["S"], r["S"]), f"not bitwise equal to stage {who}"
+    else:  # only the prepare's MUFU approximations (08) and its sums' order (09) differ: bf16 outputs round apart
         for n in ("o", "S"):
             err = rel_err(got[n], ref[n])
-            assert err <= nb.FUSED_VS_PREVIOUS, f"{n}: fused path {err:.1e} from stage 07"
+            assert err <= nb.FUSED_VS_PREVIOUS, f"{n}: fused path {err:.1e} from stage {pid}"
 
 
 @gpu
 @pytest.mark.parametrize("seg", [1, 3])
 @pytest.mark.parametrize("case", PATH_CASES[:2], ids=lambda c: c.id)
-def test_split_path_in_short_segments_is_bitwise_stage07(case, seg):
+def test_split_path_in_short_segments_is_bitwise_stage07(sid, case, seg):
     """The split path runs K1 + K2 once per segment of ``seg`` chunks, each K2 block
     starting from the state the last segment left in ht: one launch pair per segment
     and the same bits as stage 07's single pass, outputs poisoned before the call."""
+    S = load_stage(sid)
     inp = checks.case_inputs(case, "cuda", torch.bfloat16)
     nt = -(-case.T // 16)
-    with S08.path("split1", segment_chunks=seg):
-        got = checks.run(S08.forward, inp, "cuda", backward=False)
-        kernels = [x["kernel"] for x in S08.build().launches()]
+    with S.path("split1", segment_chunks=seg):
+        got = checks.run(S.forward, inp, "cuda", backward=False)
+        kernels = [x["kernel"] for x in S.build().launches()]
     assert kernels == ["kda_prepare_kernel", "kda_recurrence_kernel"] * -(-nt // seg), kernels
     ref = checks.run(load_stage("07").forward, inp, "cuda", backward=False)
     assert torch.equal(got["o"], ref["o"]) and torch.equal(got["S"], ref["S"]), "not bitwise equal to stage 07"
 
 
 @gpu
-def test_the_default_segment_bounds_the_split_workspace():
+def test_the_default_segment_bounds_the_split_workspace(sid):
     """At 259 chunks the split path launches five K1 + K2 pairs (segments of
     SEGMENT_CHUNKS = 64, two workspace buffers) and needs much less memory than
     in one segment of the whole sequence."""
+    S = load_stage(sid)
     case = PATH_CASES[2]
     inp = checks.case_inputs(case, "cuda", torch.bfloat16)
     nt = -(-case.T // 16)
     peaks = {}
     for seg in (None, nt):
-        with S08.path("split1", segment_chunks=seg):
-            S08.forward(**inp)  # built and warm
+        with S.path("split1", segment_chunks=seg):
+            S.forward(**inp)  # built and warm
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            S08.forward(**inp)
+            S.forward(**inp)
             torch.cuda.synchronize()
             peaks[seg] = torch.cuda.max_memory_allocated() - base
-            launches = len(S08.build().launches())
-        assert launches == 2 * -(-nt // (seg or S08.SEGMENT_CHUNKS)), (seg, launches)
+            launches = len(S.build().launches())
+        assert launches == 2 * -(-nt // (seg or S.SEGMENT_CHUNKS)), (seg, launches)
     assert peaks[None] < 0.75 * peaks[nt], peaks  # workspace 2 x 64 vs 259 chunks, plus o
 
 
 @gpu
-def test_fused8_refuses_v64():
+def test_fused8_refuses_v64(sid):
+    S = load_stage(sid)
     case = PATH_CASES[1]
     inp = checks.case_inputs(case, "cuda", torch.bfloat16)
-    with S08.path("fused8"), pytest.raises(ValueError, match="pinned path 'fused8'.*needs V >= 128"):
-        S08.forward(**inp)
+    with S.path("fused8"), pytest.raises(ValueError, match="pinned path 'fused8'.*needs V >= 128"):
+        S.forward(**inp)
 
 
 @gpu
-def test_rule_picks_the_split_width_by_the_sm_count():
+def test_rule_picks_the_split_width_by_the_sm_count(sid):
     """The rule (kda_fwd_plan): the split path, two compute warps per K2 block once
     B*H*V/32 blocks cover the SMs (K2's grid tells the width: B*H*V/(16*ncw))."""
+    S = load_stage(sid)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for H, ncw in ((sms // 2, 2), (sms // 2 - 1, 1), (2, 1)):  # K = V = 64: B*H*2 blocks of two warps
         inp = checks.case_inputs(checks.Case(1, 40, H, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0),
                                  "cuda", torch.bfloat16)
-        S08.forward(**inp)
-        k2 = [x for x in S08.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
-        assert len(k2) == 1 and k2[0]["grid"] == H * 64 // (16 * ncw), (H, ncw, S08.build().launches())
+        S.forward(**inp)
+        k2 = [x for x in S.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
+        assert len(k2) == 1 and k2[0]["grid"] == H * 64 // (16 * ncw), (H, ncw, S.build().launches())
 
 
 @gpu
-def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms():
+def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms(sid):
     """The rule at V = 128: the fused kernel with 8 compute warps (grid B*H) once
     3 B*H >= 2 SMs, with 4 (grid 2 B*H) where SMs <= 3 B*H and 2 B*H <= SMs, the
     split path elsewhere; V = 64 stays split at any B*H."""
+    S = load_stage(sid)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     h8 = -(-2 * sms // 3)  # the fewest heads that take fused8
     h4 = -(-sms // 3)      # the fewest heads that take fused4
@@ -138,8 +164,8 @@ def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms():
     for H, KV, ncw in cases:
         inp = checks.case_inputs(checks.Case(1, 40, H, KV, KV, chunk=16, gate="bounded", lower_bound=-5.0),
                                  "cuda", torch.bfloat16)
-        S08.forward(**inp)
-        launched = S08.build().launches()
+        S.forward(**inp)
+        launched = S.build().launches()
         kernels = {x["kernel"] for x in launched}
         if ncw:
             assert kernels == nb.FUSED_KERNELS and launched[0]["grid"] == H * KV // (16 * ncw), (H, KV, launched)
@@ -148,17 +174,20 @@ def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms():
 
 
 @gpu
-def test_path_rows_time_every_path_and_pass_the_notebook_checks():
+def test_path_rows_time_every_path_and_pass_the_notebook_checks(sid):
     """common.bench.path_rows (scripts/bench_paths.py and the notebook's live
-    table): stage 07, the rule and every path that exists for V, each checked
-    as the notebook checks it (common.notebook.path_problems)."""
+    table): the previous stage, the rule and every path that exists for V, each
+    checked as the notebook checks it (common.notebook.path_problems)."""
     from common import bench
     from common.notebook import path_problems
 
-    rows = bench.path_rows("08", dict(B=1, T=100, H=3, K=64, V=64), budget_s=0.05, flashkda=False)
-    assert [(r["stage"], r["path"]) for r in rows] == [("07", "rule"), ("08", "rule")] + [
-        ("08", p) for p in S08.PATHS if p != "fused8"]  # 8 compute warps need V = 128
-    problems = {(r["stage"], r["path"]): path_problems(r) for r in rows}
+    S, pid = load_stage(sid), previous(sid)
+    rows = bench.path_rows(sid, dict(B=1, T=100, H=3, K=64, V=64), budget_s=0.05, flashkda=False)
+    assert [(r["stage"], r["path"]) for r in rows] == [(pid, "rule"), (sid, "rule")] + [
+        (sid, p) for p in S.PATHS if p != "fused8"]  # 8 compute warps need V = 128
+    problems = {(r["stage"], r["path"]): path_problems(r, pid) for r in rows}
     assert not any(problems.values()), problems
-    assert all(r["equal_to_07"] for r in rows if r["path"] in ("rule", "split1", "split2"))
+    assert all(r[f"equal_to_{pid}"] for r in rows if r["path"] in ("rule", "split1", "split2"))
+    if pid != "07":  # held to the previous stage's same path
+        assert [r.get("vs_path") for r in rows[1:]] == ["rule"] + [p for p in S.PATHS if p != "fused8"]
     assert all(r["peak_mb"] > 0 and r["fwd_ms"] > 0 for r in rows)

@@ -1,0 +1,150 @@
+"""Stage 09: stage 08 with less work around each MMA, forward only.
+
+Stage 08's fused kernel is bound by shared memory and by the instructions that
+move MMA operands (Nsight Compute: L1/shared throughput 85%). This stage keeps
+stage 08's paths, rule and segments and cuts that work: the chain's B fragments
+written as 32-bit words and its A fragments loaded by ldmatrix, the fused
+prepare's rows in eight lanes per token (6 shuffles per lane and chunk instead
+of 40), exp(glast) laid out for 16-byte loads and one warp per 16 x 16 product
+of the prepare. The compute warps then fit in 128 registers: no setmaxnreg, no
+sm_90a build. The split path keeps stage 07's bits. ``path`` pins one path for
+the benchmark and the tests; ``frag_check`` is stage 07's fragment identity.
+"""
+
+from pathlib import Path
+
+from contextlib import contextmanager
+
+import torch
+
+from common import extrun
+from common.build import load_extension
+from common.contract import StageSpec, ablation_build_args, prepare
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ["kda.cu", "binding.cpp"]
+
+SPEC = StageSpec(
+    name="09_smem_diet",
+    title="stage 08 with less work around each MMA: fragments by ldmatrix and as words, eight lanes per "
+          "token in the prepare, 16-byte decay loads; no setmaxnreg",
+    devices=("cuda",),
+    gates=("bounded",),
+    chunk_sizes=(16,),
+    default_chunk=16,
+    head_dims=(64, 128),
+    equal_kv=True,
+    compute_dtype=torch.bfloat16,
+    backward=False,
+    regions=(
+        # ids 0-14, in the order of the KdaRegion enum in kda.h
+        "K1: load+pre-stage", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store",
+        "K2: wait for operands", "K2: w@S", "K2: qd@S", "K2: vcorr", "K2: Aqk@vcorr", "K2: o store",
+        "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
+        "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
+    ),
+    region_unit="cycles",
+    extra={"cutlass": True, "min_sm": 80},
+)
+
+# The ideas of this stage that can be turned off one at a time (common/ablation.py).
+ABLATIONS = ()
+
+
+# CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
+# switch off; CuTe's constexpr helpers are called from device code.
+CUDA_FLAGS = [
+    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+]
+
+
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
+    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          **ablation_build_args(ABLATIONS, ablation))
+
+
+def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+            output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
+    """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
+    _check_pinned(v)
+    c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+                lower_bound=lower_bound, chunk_size=chunk_size)
+    return extrun.run(build(), SPEC, c)
+
+
+def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+            output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
+            backward=False):
+    """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
+    _check_pinned(v)
+    c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+                lower_bound=lower_bound, chunk_size=chunk_size)
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward)
+
+
+# The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
+SEGMENT_CHUNKS = 64
+
+PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
+         "fused8": (1, 8)}
+
+
+@contextmanager
+def path(name=None, segment_chunks=None):
+    """Pin the kernels of the calls inside the block: "split1"/"split2" (K1 + K2
+    with 1 or 2 compute warps per K2 block) or "fused1"/"fused2"/"fused4"/"fused8"
+    (the fused kernel with that many compute warps per block; fused8 needs
+    K = V = 128); None keeps the stage's rule. A path that does not exist for
+    the sizes of a call raises at that call. ``segment_chunks`` sets how many
+    chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS), so
+    that the tests see many segments in a short sequence."""
+    if name is not None and name not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)} or None, got {name!r}")
+    if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
+        raise ValueError(f"segment_chunks must be a positive int or None, got {segment_chunks!r}")
+    global _PINNED
+    exts = (build(), build(profile=True))  # the timed build and the profile build each hold their own pin
+    fused, ncw = PATHS[name] if name is not None else (-1, 0)
+    for ext in exts:
+        ext.set_path(fused, ncw, segment_chunks or 0)
+    _PINNED = name
+    try:
+        yield
+    finally:
+        _PINNED = None
+        for ext in exts:
+            ext.set_path(-1, 0, 0)
+
+
+_PINNED = None  # the path pinned by ``path``, checked against the sizes of each call
+
+
+def _check_pinned(v):
+    """A pinned path whose compute warps need more value columns than V has is
+    refused here, before the extension is called."""
+    if _PINNED is not None and 16 * PATHS[_PINNED][1] > v.shape[-1]:
+        raise ValueError(f"the pinned path {_PINNED!r} has {PATHS[_PINNED][1]} compute warps of 16 value columns: "
+                         f"it needs V >= {16 * PATHS[_PINNED][1]}, got V = {v.shape[-1]}")
+
+
+def frag_check(A, X):
+    """out = A @ bf16(X) computed by one warp whose X starts as an MMA accumulator
+    and becomes the B operand through movmatrix (the identity stage 07 relies on).
+    A: bf16 [16, kd] and X: fp32 [kd, 16] on a CUDA device, kd in {16, 64, 128}."""
+    if not (isinstance(A, torch.Tensor) and isinstance(X, torch.Tensor)):
+        raise TypeError("A and X must be torch tensors")
+    if A.device.type != "cuda" or X.device != A.device:
+        raise ValueError(f"A and X must be on the same CUDA device, got {A.device} and {X.device}")
+    if A.dtype != torch.bfloat16 or X.dtype != torch.float32:
+        raise TypeError(f"A must be bfloat16 and X float32, got {A.dtype} and {X.dtype}")
+    if A.dim() != 2 or A.shape[0] != 16 or A.shape[1] not in (16, 64, 128) or tuple(X.shape) != (A.shape[1], 16):
+        raise ValueError(f"A must be [16, kd] with kd in (16, 64, 128) and X [kd, 16], got {tuple(A.shape)} "
+                         f"and {tuple(X.shape)}")
+    return build().frag_check(A.contiguous(), X.contiguous())
