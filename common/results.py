@@ -83,8 +83,12 @@ def newest_anchor():
 # it is (its rule's commit); "profile", the file with clock64 regions per path
 # (the same kernels: only the rule differed), with the path and shape whose
 # timeline the stage's notebook shows (common.notebook.fused_profile).
-PATHS_RECORDED = {"08": dict(table="stage08/paths_43a6112", profile="stage08/paths_43a6112",
-                             profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128))}
+PATHS_RECORDED = {
+    "08": dict(table="stage08/paths_d91b051", profile="stage08/paths_d91b051",
+               profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
+    "09": dict(table="stage09/paths_d91b051", profile="stage09/paths_d91b051",
+               profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
+}
 
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
 FLASHKDA = FLASHKDA_NAME  # the stage name of FlashKDA's rows in a benchmark (bench_stage("flashkda"))
