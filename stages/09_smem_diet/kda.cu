@@ -1,12 +1,13 @@
 // kda.cu -- stage 09: stage 08 with less work around each MMA.
 //
 // Stage 08's fused kernel is as fast as its two prepare teams can stream chunks
-// and its compute warps can run the chain on them. Nsight Compute on it (fused8,
-// B = 8, T = 1024, H = 64) says what bounds both: shared memory (L1/shared
-// throughput 85%) and the instructions that move operands, not the MMAs. This
-// stage keeps every path, the rule and the bits of the split path, and cuts
-// that work, each change measured on its own (docs/PERF_NOTES.md, outcomes 10
-// and 11):
+// and its compute warps can run the chain on them. What bounds both is the work
+// that moves operands, not the MMAs: the SASS of the chain and Nsight Compute's
+// source counters of the prepare (shuffles, shared loads) said so, and after the
+// first two changes below ncu put the kernel at 85% of its L1/shared throughput
+// (fused8, B = 8, T = 1024, H = 64). This stage keeps every path, the rule and
+// the bits of the split path, and cuts that work, each change measured on its
+// own (docs/PERF_NOTES.md, outcomes 10 and 11):
 //
 //   * The chain's B fragments as words: c_to_b writes each movmatrix result as
 //     one 32-bit word (as two bf16 halves the compiler split and re-packed every

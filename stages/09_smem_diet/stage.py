@@ -1,7 +1,7 @@
 """Stage 09: stage 08 with less work around each MMA, forward only.
 
 Stage 08's fused kernel is bound by shared memory and by the instructions that
-move MMA operands (Nsight Compute: L1/shared throughput 85%). This stage keeps
+move MMA operands (its SASS and Nsight Compute's counters). This stage keeps
 stage 08's paths, rule and segments and cuts that work: the chain's B fragments
 written as 32-bit words and its A fragments loaded by ldmatrix, the fused
 prepare's rows in eight lanes per token (6 shuffles per lane and chunk instead
