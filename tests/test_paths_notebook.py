@@ -1,9 +1,9 @@
-"""The notebook helpers of a stage with several paths (stage 08): the table and
-figure of every path (common.notebook.paths_table / paths_plot, with the
-checks of path_problems) and the fused kernel's timeline per chunk
-(chunk_profile / fused_profile). Tested on the recorded file and on wrong
-answers planted into copies of it; the live branch with a stand-in for the
-GPU measurement."""
+"""The notebook helpers of a stage with several paths (stages 08 and 09): the
+table and figure of every path (common.notebook.paths_table / paths_plot, with
+the checks of path_problems) and the fused kernel's timeline per chunk
+(chunk_profile / fused_profile). Tested on each stage's recorded file and on
+wrong answers planted into copies of it; the live branch with a stand-in for
+the GPU measurement."""
 
 import copy
 
@@ -12,9 +12,24 @@ import pytest
 from common import bench, notebook
 from common.contract import StageSpec
 
-REC = notebook._recorded(notebook.PATHS_RECORDED["08"]["table"])
-PROF = notebook._recorded(notebook.PATHS_RECORDED["08"]["profile"])
+from common.stages import previous
+
 B8 = "B8 T1024 H64 K128 V128"
+# What each stage's record holds (results/h200/stage08/, stage09/ paths_d91b051.json), read off the files: the rule
+# at B=8 (fused8) and its reference and FlashKDA in the same call, the figure's texts, the fused kernel per chunk.
+EXPECT = {
+    "08": dict(rule=0.7311, prev=1.2089, over_fk=0.900, plot={"0.731", "0.72", "0.812", "2.05"},
+               mem={"872", "168", "662", "2.2"}, prepare=4.86e3, chain=3.56e3, wait=1.32e3, chain_label="the chain: 3.6e3"),
+    "09": dict(rule=0.5813, prev=0.7296, over_fk=0.710, plot={"0.581", "0.584", "0.818", "1.88"},
+               mem={"168", "662", "2.2"}, prepare=4.40e3, chain=4.07e3, wait=415, chain_label="the chain: 4.1e3"),
+}
+REC = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["table"]) for sid in EXPECT}
+PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid in EXPECT}
+
+
+@pytest.fixture(params=list(EXPECT))
+def sid(request):
+    return request.param
 
 
 def _row(rows, stage, path, shape=B8):
@@ -23,11 +38,11 @@ def _row(rows, stage, path, shape=B8):
 
 
 @pytest.fixture
-def recorded(monkeypatch):
-    """The notebook reads a copy of the recorded paths file, which a test may spoil."""
-    meta, rows = copy.deepcopy(REC)
-    _, prof = copy.deepcopy(PROF)
-    names = notebook.PATHS_RECORDED["08"]
+def recorded(monkeypatch, sid):
+    """The notebook reads a copy of the stage's recorded paths file, which a test may spoil."""
+    meta, rows = copy.deepcopy(REC[sid])
+    _, prof = copy.deepcopy(PROF[sid])
+    names = notebook.PATHS_RECORDED[sid]
     if names["profile"] == names["table"]:  # one file: the spoiled copy is both
         prof = rows
     files = {names["profile"]: (meta, prof), names["table"]: (meta, rows)}
@@ -37,40 +52,45 @@ def recorded(monkeypatch):
     return rows, prof
 
 
-def test_the_recorded_paths_pass_their_checks(recorded, capsys):
+def test_the_recorded_paths_pass_their_checks(recorded, capsys, sid):
     rows, _ = recorded
-    assert all(notebook.path_problems(r) == [] for r in rows)
-    df = notebook.paths_table("08")
+    pid, e = previous(sid), EXPECT[sid]
+    assert all(notebook.path_problems(r, pid) == [] for r in rows)
+    df = notebook.paths_table(sid)
     out = capsys.readouterr().out
     assert f"path checks: {len(rows)} of {len(rows)} rows as expected" in out and "recorded on NVIDIA H200" in out
     assert (df["check"] == "ok").all() and (df["where"] == "recorded").all()
-    # the table is the file: the rule at B=8 (the fused kernel) against stage 07 and FlashKDA measured in the same call
+    # the table is the file: the rule at B=8 (the fused kernel) against the previous stage and FlashKDA, same call
     rule = df.loc[(B8, "rule")]
-    assert rule["GPU ms"] == pytest.approx(0.578, abs=5e-4) and rule["07 ms"] == pytest.approx(1.203, abs=5e-4)
-    assert rule["time / FlashKDA"] == pytest.approx(0.713, abs=5e-3) and bool(rule["bitwise = 07"]) is False
-    assert bool(df.loc[(B8, "split2"), "bitwise = 07"]) is True
+    assert rule["GPU ms"] == pytest.approx(e["rule"], abs=5e-4) and rule[f"{pid} ms"] == pytest.approx(e["prev"], abs=5e-4)
+    assert rule["time / FlashKDA"] == pytest.approx(e["over_fk"], abs=5e-3)
+    assert bool(rule[f"bitwise = {pid}"]) is False  # fused: the prepare's approximations (08), its sums' order (09)
+    assert bool(df.loc[(B8, "split2"), f"bitwise = {pid}"]) is True
     assert df.loc[(B8, "fused8"), "peak MB"] == 167.8 and rule["FlashKDA peak MB"] == 662.4
     assert "fused8" not in df.loc["B2 T2048 H4 K64 V64"].index  # 8 compute warps need V = 128
 
 
-@pytest.mark.parametrize("stage,path,spoil,why", [
-    ("08", "split2", dict(equal_to_07=False), "not bitwise equal to stage 07"),
-    ("08", "fused4", dict(kernels=["kda_prepare_kernel", "kda_recurrence_kernel"]), "path fused4 launched"),
-    ("08", "rule", dict(kernels=["kda_fused_kernel"], err_vs_07=5e-3), "5.0e-03 from stage 07"),
-    ("08", "split1", dict(kernels=["kda_recurrence_kernel"]), "path split1 launched"),
-    ("08", "fused1", dict(peak_mb=None), "no peak memory"),
-    ("08", "fused2", dict(error="out of memory"), "failed: out of memory"),
-    ("07", "rule", dict(fwd_graph_ms=float("nan")), "no valid time"),
+@pytest.mark.parametrize("who,path,spoil,why", [
+    ("stage", "split2", dict(equal_to_prev=False), "not bitwise equal to stage {pid}"),
+    ("stage", "fused4", dict(kernels=["kda_prepare_kernel", "kda_recurrence_kernel"]), "path fused4 launched"),
+    ("stage", "rule", dict(kernels=["kda_fused_kernel"], err_vs_prev=5e-3), "5.0e-03 from stage {pid}"),
+    ("stage", "split1", dict(kernels=["kda_recurrence_kernel"]), "path split1 launched"),
+    ("stage", "fused1", dict(peak_mb=None), "no peak memory"),
+    ("stage", "fused2", dict(error="out of memory"), "failed: out of memory"),
+    ("prev", "rule", dict(fwd_graph_ms=float("nan")), "no valid time"),
 ], ids=["split-not-bitwise", "fused-path-ran-split", "rule-fused-too-far", "split-half-launched", "no-peak", "error",
-        "nan-time-of-07"])
-def test_a_wrong_path_row_fails_its_check(recorded, capsys, stage, path, spoil, why):
+        "nan-time-of-prev"])
+def test_a_wrong_path_row_fails_its_check(recorded, capsys, sid, who, path, spoil, why):
     rows, _ = recorded
-    _row(rows, stage, path).update(spoil)
-    df = notebook.paths_table("08")
+    pid = previous(sid)
+    stage = sid if who == "stage" else pid
+    _row(rows, stage, path).update({k.replace("_prev", f"_{pid}"): v for k, v in spoil.items()})
+    df = notebook.paths_table(sid)
     out = capsys.readouterr().out
+    why = why.format(pid=pid)
     assert f"path checks: 1 of {len(rows)} rows FAILED" in out and f"{B8} {stage} {path}: " in out and why in out
     failed = df[df["check"] != "ok"]
-    if stage == "08":  # the stage's own row says so in the table too
+    if stage == sid:  # the stage's own row says so in the table too
         assert list(failed.index) == [(B8, path)] and failed["check"].iloc[0].startswith("FAILED: ")
     else:  # the reference's rows are columns of the table, not rows
         assert failed.empty
@@ -84,17 +104,17 @@ def test_a_fused_launch_within_the_tolerance_passes():
         "a split launch not bitwise equal to stage 07"]
 
 
-def test_paths_plot_draws_every_cell(recorded):
-    ax = notebook.paths_plot("08")
+def test_paths_plot_draws_every_cell(recorded, sid):
+    ax = notebook.paths_plot(sid)
     texts = {t.get_text() for t in ax.texts}
-    assert {"0.578", "0.573", "0.81", "2.05"} <= texts  # rule, fused8 and FlashKDA at B=8; stage 07 at T=32768
+    assert EXPECT[sid]["plot"] <= texts  # rule, fused8 and FlashKDA at B=8; the previous stage at T=32768
     mem = {t.get_text() for t in ax.figure.axes[1].texts}
-    assert {"872", "168", "662", "2.2"} <= mem  # split (07), fused, FlashKDA at B=8; fused at K=64 (no fused8 there)
+    assert EXPECT[sid]["mem"] <= mem  # (stage 07's split,) fused, FlashKDA at B=8; fused at K=64 (no fused8 there)
     assert "-" in texts  # fused8 and FlashKDA do not exist at K = V = 64
     assert "recorded on NVIDIA H200" in ax.get_title()
 
 
-def test_live_paths_fit_the_budget_and_show_the_rest_recorded(recorded, monkeypatch, capsys):
+def test_live_paths_fit_the_budget_and_show_the_rest_recorded(recorded, monkeypatch, capsys, sid):
     """On a GPU (stood in for here): the shapes whose recorded rows predict at most
     30 s are measured by common.bench.path_rows, the rest shown as recorded."""
     rows, _ = recorded
@@ -106,32 +126,32 @@ def test_live_paths_fit_the_budget_and_show_the_rest_recorded(recorded, monkeypa
         return [dict(r, fwd_graph_ms=r["fwd_graph_ms"] / 2) for r in rows if bench.shape_label(r) == measured[-1]]
 
     monkeypatch.setattr(bench, "path_rows", fake)
-    df = notebook.paths_table("08")
+    df = notebook.paths_table(sid)
     out = capsys.readouterr().out
     assert measured == ["B1 T1024 H64 K128 V128", "B8 T1024 H64 K128 V128", "B1 T8192 H64 K128 V128"]  # 9 s each
     assert "live at 3 of 7 shapes" in out and "4 shape(s) recorded, not timed live" in out
     assert set(df.loc[B8, "where"]) == {"live"} and set(df.loc["B2 T2048 H4 K64 V64", "where"]) == {"recorded"}
-    assert df.loc[(B8, "rule"), "GPU ms"] == pytest.approx(0.578 / 2, abs=5e-4)
-    ax = notebook.paths_plot("08")  # the same measurement, not a second one
+    assert df.loc[(B8, "rule"), "GPU ms"] == pytest.approx(EXPECT[sid]["rule"] / 2, abs=5e-4)
+    ax = notebook.paths_plot(sid)  # the same measurement, not a second one
     assert len(measured) == 3 and "live and recorded rows" in ax.get_title()
     assert f"{B8} (live)" in [t.get_text() for t in ax.get_yticklabels()]
 
 
-def _fused8_b8(prof_rows):
-    return _row(prof_rows, "08", "fused8")
+def _fused8_b8(prof_rows, sid):
+    return _row(prof_rows, sid, "fused8")
 
 
-def test_chunk_profile_of_the_recorded_fused_kernel():
-    groups = notebook.chunk_profile(_fused8_b8(PROF[1])["profile"], 1024)
-    tot = notebook.chunk_totals(groups)
-    assert tot["prepare"] == pytest.approx(4.39e3, rel=0.01) and tot["chain"] == pytest.approx(4.07e3, rel=0.01)
-    assert tot["wait"] == pytest.approx(407, rel=0.01)
+def test_chunk_profile_of_the_recorded_fused_kernel(sid):
+    groups = notebook.chunk_profile(_fused8_b8(PROF[sid][1], sid)["profile"], 1024)
+    tot, e = notebook.chunk_totals(groups), EXPECT[sid]
+    assert tot["prepare"] == pytest.approx(e["prepare"], rel=0.01) and tot["chain"] == pytest.approx(e["chain"], rel=0.01)
+    assert tot["wait"] == pytest.approx(e["wait"], rel=0.01)
     assert list(groups["prepare warps"]) == list(notebook.FUSED_PREPARE)  # in the order a chunk goes through them
     assert list(groups["compute warps"])[0] == notebook.FUSED_COMPUTE_WAIT
 
 
-def test_chunk_profile_refuses_what_is_not_one_fused_block():
-    prof = dict(_fused8_b8(PROF[1])["profile"])
+def test_chunk_profile_refuses_what_is_not_one_fused_block(sid):
+    prof = dict(_fused8_b8(PROF[sid][1], sid)["profile"])
     with pytest.raises(ValueError, match="T must be positive"):
         notebook.chunk_profile(prof, 0)
     with pytest.raises(ValueError, match="no K1: inverse"):
@@ -140,22 +160,23 @@ def test_chunk_profile_refuses_what_is_not_one_fused_block():
         notebook.chunk_profile(prof, 1024, teams=1)
     with pytest.raises(ValueError, match="must span the same time"):  # a region lost its time
         notebook.chunk_profile(dict(prof, **{"K2 producer: issue loads (+ stage rows, fused)": 0.0}), 1024)
-    split = _row(PROF[1], "08", "split2")["profile"]  # K1's regions per K1 block: not one block's timeline
+    split = _row(PROF[sid][1], sid, "split2")["profile"]  # K1's regions per K1 block: not one block's timeline
     with pytest.raises(ValueError, match="must span the same time"):
         notebook.chunk_profile(split, 1024)
 
 
-def test_fused_profile_draws_the_recorded_timeline(recorded, capsys):
-    ax = notebook.fused_profile("08")
+def test_fused_profile_draws_the_recorded_timeline(recorded, capsys, sid):
+    ax = notebook.fused_profile(sid)
     out = capsys.readouterr().out
-    assert "prepare warps 4.39e+03" in out and "the chain 4.07e+03" in out
+    e = EXPECT[sid]
+    assert f"prepare warps {e['prepare']:.3g}" in out and f"the chain {e['chain']:.3g}" in out
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == ["2 x 4 prepare warps", "8 compute warps"]
-    assert "the chain: 4.1e3" in [t.get_text() for t in ax.texts]
+    assert e["chain_label"] in [t.get_text() for t in ax.texts]
 
 
-def test_fused_profile_refuses_a_profile_of_the_split_kernels(recorded):
+def test_fused_profile_refuses_a_profile_of_the_split_kernels(recorded, sid):
     _, prof = recorded
-    _fused8_b8(prof)["kernels"] = ["kda_prepare_kernel", "kda_recurrence_kernel"]
+    _fused8_b8(prof, sid)["kernels"] = ["kda_prepare_kernel", "kda_recurrence_kernel"]
     with pytest.raises(ValueError, match="not the fused kernel alone"):
-        notebook.fused_profile("08")
+        notebook.fused_profile(sid)

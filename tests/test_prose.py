@@ -242,5 +242,6 @@ def test_a_notebook_cell_naming_a_commit_quotes_that_record():
 
 
 def test_the_commit_check_catches_figures_of_another_record():
-    """Planted: the cells read against the record before (e5fe0ee) must fail, since they quote 43a6112's."""
-    assert _stale_in_notebook_cells(lambda sha: _pools("e5fe0ee" if sha == "43a6112" else sha))
+    """Planted: the cells read against the record before (43a6112, the kernel of stage 09 before the split path ran
+    in segments) must fail, since they quote d91b051's."""
+    assert _stale_in_notebook_cells(lambda sha: _pools("43a6112" if sha == "d91b051" else sha))
