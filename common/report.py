@@ -114,8 +114,10 @@ def _flashkda_errors():
     results/h200/checks.json) where recorded, else the newest anchor's."""
     data = results.recorded("checks")
     own = [r for r in (data or {}).get("rows", []) if r.get("stage") == results.FLASHKDA and "err_ref" in r]
-    if own:
-        return worst(r["err_ref"] for r in own), f"checks.json, {data['meta'].get('date', '')[:10]}"
+    if own:  # the rows name their commit; the file's date may be a list of dates, the first of another stage's run
+        commits = sorted({str(r["commit"]) for r in own if r.get("commit")})
+        when = f"commit {', '.join(commits)}" if commits else data["meta"].get("date", "")[:10]
+        return worst(r["err_ref"] for r in own), f"checks.json, {when}"
     anchor, path = results.newest_anchor()
     acc = ((anchor or {}).get("accuracy_vs_fp64") or {}).get("flashkda", {})
     return (max(acc["o"] + acc["S"]), f"anchor {path.name}") if acc else (None, None)
