@@ -288,14 +288,14 @@ def _gpu_rel_err(x, ref) -> float:
 def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = True, profile: bool = False,
               on_row=None, segment_chunks: int | None = None) -> list[dict]:
     """A stage with several paths (its ``PATHS``, pinned one at a time by
-    ``stage.path``; stage 08) at one shape on the GPU, beside the previous
+    ``stage.path``; stages 08 and 09) at one shape on the GPU, beside the previous
     stage and FlashKDA, on the same inputs (bf16, bounded gate, chunk 16):
     the previous stage, the stage's rule, every path that exists for V, and
     FlashKDA when ``flashkda`` and it is built here (K = V = 128 only). Each
     row of the stage is held to the same path of the previous stage where that
     stage has paths too (``vs_path``), else to its rule.
 
-    One row each (the schema of results/h200/stage08/): stage (the id, or
+    One row each (the schema of results/h200/stage08/, stage09/): stage (the id, or
     "FlashKDA"), path ("rule" where none is pinned), the shape, fwd_* times
     (eager and CUDA-graph replay, see _timed), peak_mb (:func:`peak_mb` of one
     call), and for the stages equal_to_<prev> (o and the final state bitwise

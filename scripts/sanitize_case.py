@@ -4,7 +4,7 @@ for compute-sanitizer:
     compute-sanitizer --tool memcheck python scripts/sanitize_case.py 02
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py 06 no_load_warp
 
-A stage with several paths (stage 08's PATHS) runs each of them, pinned, as well, at K = V = 64 and 128,
+A stage with several paths (the PATHS of stages 08 and 09) runs each of them, pinned, as well, at K = V = 64 and 128,
 its split path also in segments of 3 chunks.
 """
 
@@ -34,7 +34,7 @@ if spec.compute_dtype == torch.bfloat16:
     # B*H*V/32 fills the GPU twice over, so both variants run under the sanitizer
     kw2 = checks.stage_inputs(spec, 2, 40, 70, K, V, seed=1, device="cuda")
     res.update({k + " (B*H = 140)": v for k, v in checks.run(stage.forward, kw2, "cuda", backward=False).items()})
-if getattr(stage, "PATHS", None):  # a stage with several paths (08): each one, pinned, at K = V = 64 and 128
+if getattr(stage, "PATHS", None):  # a stage with several paths (08, 09): each one, pinned, at K = V = 64 and 128
     kw128 = checks.stage_inputs(spec, 1, 40, 2, 128, 128, seed=2, device="cuda")  # a tail chunk too
     for name, (_, ncw) in stage.PATHS.items():
         for kwp in (kw, kw128):
