@@ -65,6 +65,12 @@ def previous(stage_id):
     return ids[i - 1] if i > 0 else None
 
 
+def path_stages() -> list[str]:
+    """The stages with several paths (a ``PATHS`` table and ``path()`` in
+    stage.py: 08, 09), in ladder order."""
+    return [sid for sid in stage_ids() if getattr(load_stage(sid), "PATHS", None)]
+
+
 # What `diff -ru stages/<previous> stages/<this>` counts: the code, not the README.
 DIFF_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".h")
 

@@ -30,14 +30,9 @@ sys.path.insert(0, str(ROOT))
 from common import bench  # noqa: E402
 from common.fla_ref import flashkda_available  # noqa: E402
 from common.results import metadata, save  # noqa: E402
-from common.stages import load_stage, normalize, previous, stage_ids  # noqa: E402
+from common.stages import normalize, path_stages, previous  # noqa: E402
 
 LONG_SHAPE = dict(B=1, T=32768, H=16, K=128, V=128)
-
-
-def path_stages() -> list[str]:
-    """The stages with several paths (a PATHS table in stage.py), in ladder order."""
-    return [s for s in stage_ids() if getattr(load_stage(s), "PATHS", None)]
 
 
 def parse_shapes(text):

@@ -12,7 +12,7 @@ import pytest
 from common import bench, notebook
 from common.contract import StageSpec
 
-from common.stages import previous
+from common.stages import path_stages, previous
 
 B8 = "B8 T1024 H64 K128 V128"
 # What each stage's record holds (results/h200/stage08/, stage09/ paths_d91b051.json), read off the files: the rule
@@ -30,6 +30,11 @@ PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid
 @pytest.fixture(params=list(EXPECT))
 def sid(request):
     return request.param
+
+
+def test_every_stage_with_paths_has_its_record_and_figures_here():
+    """A new stage with PATHS needs its recorded file (PATHS_RECORDED) and its figures in EXPECT."""
+    assert set(path_stages()) == set(EXPECT) == set(notebook.PATHS_RECORDED)
 
 
 def _row(rows, stage, path, shape=B8):

@@ -16,9 +16,9 @@ import torch
 from common import checks
 from common import notebook as nb  # the notebook's paths check holds every path to the same promises
 from common.metrics import rel_err
-from common.stages import load_stage, previous
+from common.stages import load_stage, path_stages, previous
 
-PATH_STAGES = ["08", "09"]  # the stages with PATHS
+PATH_STAGES = path_stages()  # 08, 09: every stage with PATHS is tested here
 PATH_CASES = [
     checks.Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=81),          # tail chunk, h0
     checks.Case(1, 100, 5, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, h0=False, seed=82),  # T < 7 chunks
