@@ -101,7 +101,7 @@ def measure(stage_id, *, budget_s: float = 1.0, quick: bool = False, say=print) 
         st = stage if ab is None else variant(sid, ab.name)
         t0 = time.time()
         r = checks.check_stage(st, cases, device="cuda", prev=(None if ab is None else stage))
-        det = checks.check_deterministic(st, cases[min(5, len(cases) - 1)], device="cuda")
+        det = checks.check_deterministic(st, checks.determinism_case(cases), device="cuda")
         worst = checks.summarize(r)
         row = dict(stage=spec.name, variant="full" if ab is None else ab.name,
                    define=None if ab is None else ab.define,

@@ -15,7 +15,7 @@ cotangents, so the autograd wiring of each stage is checked too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,39 +58,51 @@ class Case:
 
 def cpu_cases(quick: bool = False):
     """Small shapes that run in seconds on a CPU: K != V, T not a multiple of
-    the chunk, h0 absent and present, both gates, every chunk size."""
+    the chunk, h0 absent and present, both gates, every chunk size, three
+    lower bounds, and B > 1 with h0 under each gate (each sequence of a batch
+    starts from its own initial state and gets its own dh0). The quick subset
+    keeps one B > 1 case with h0 and a tail."""
     cases = [
         Case(1, 37, 2, 16, 24, chunk=16, gate="softplus", seed=1),
         Case(2, 64, 1, 32, 32, chunk=32, gate="bounded", lower_bound=-5.0, h0=False, seed=2),
         Case(1, 100, 2, 64, 48, chunk=64, gate="softplus", h0=False, seed=3),
         Case(1, 70, 1, 8, 5, chunk=16, gate="bounded", lower_bound=-1.0, seed=4),
+        Case(2, 45, 2, 16, 12, chunk=16, gate="bounded", lower_bound=-2.5, seed=5),
+        Case(3, 50, 1, 8, 16, chunk=32, gate="softplus", seed=6),
     ]
-    return cases[:2] if quick else cases
+    return [cases[0], cases[1], cases[4]] if quick else cases
 
 
 def gpu_cases(quick: bool = False):
-    """Shapes for the fp32 CUDA stages: also B*H above the H200's 132 SMs,
-    K, V = 256 and long T."""
-    cases = cpu_cases() + [
+    """Shapes for the fp32 CUDA stages: the CPU set, and also B*H above the
+    H200's 132 SMs (with and without h0), K, V = 256 and long T. The quick
+    subset is the CPU one plus the first two GPU shapes."""
+    extra = [
         Case(2, 300, 3, 64, 64, chunk=64, gate="softplus", seed=11),
         Case(3, 129, 50, 32, 48, chunk=32, gate="bounded", lower_bound=-5.0, h0=False, seed=12),
         Case(1, 200, 2, 128, 96, chunk=16, gate="softplus", seed=13),
         Case(1, 80, 1, 256, 256, chunk=64, gate="bounded", lower_bound=-3.0, seed=14),
         Case(1, 1000, 2, 64, 64, chunk=64, gate="softplus", h0=False, seed=15),
+        Case(4, 150, 40, 32, 64, chunk=32, gate="bounded", lower_bound=-2.5, seed=16),
+        Case(2, 90, 3, 128, 96, chunk=16, gate="softplus", seed=17),
     ]
-    return cases[:6] if quick else cases
+    return cpu_cases(quick) + (extra[:2] if quick else extra)
 
 
 def tc_cases(quick: bool = False):
-    """Shapes for the tensor-core stages (bf16, bounded gate, chunk 16, K = V)."""
+    """Shapes for the tensor-core stages (bf16, bounded gate, chunk 16, K = V
+    in {64, 128}): tails, h0 absent, B*H up to 256, four lower bounds, and B > 1
+    with h0 and a tail at both head sizes. The quick subset keeps one of those."""
     cases = [
         Case(1, 100, 2, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0, seed=21),
         Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, h0=False, seed=22),
         Case(1, 1000, 2, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=23),
         Case(2, 64, 80, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, seed=24),
         Case(4, 130, 64, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, h0=False, seed=25),
+        Case(3, 200, 4, 128, 128, chunk=16, gate="bounded", lower_bound=-3.0, seed=26),
+        Case(2, 77, 5, 64, 64, chunk=16, gate="bounded", lower_bound=-1.0, seed=27),
     ]
-    return cases[:2] if quick else cases
+    return [cases[0], cases[1], cases[5]] if quick else cases
 
 
 def fla_cases():
@@ -115,6 +127,13 @@ def cases_for(spec, device, quick: bool = False):
     if spec.compute_dtype == torch.bfloat16:
         return tc_cases(quick)
     return cpu_cases(quick) if torch.device(device).type == "cpu" else gpu_cases(quick)
+
+
+def determinism_case(cases) -> Case:
+    """The case of a set that check_deterministic runs: the most (batch, head)
+    pairs, then the longest T (the most blocks in flight at once, where a race
+    or an order-dependent sum would show)."""
+    return max(cases, key=lambda c: (c.B * c.H, c.T))
 
 
 def stage_inputs(spec, B, T, H, K, V, *, seed=0, device="cpu"):
@@ -346,6 +365,29 @@ def check_deterministic(stage, case: Case, device=None) -> bool:
     a = run(stage.forward, inp, dev, backward=False)
     b = run(stage.forward, inp, dev, backward=False)
     return all(torch.equal(a[n], b[n]) for n in ("o", "S"))
+
+
+def check_chunk_sizes(stage, case: Case, chunks=(16, 32), device=None) -> dict:
+    """o and S of one case at two chunk sizes (``case.chunk`` is replaced):
+    {"err": {chunk: {"o": err_ref, "S": err_ref}}, "equal": bool, "tol": tol}.
+
+    Two chunkings sum in a different order, so their outputs differ in the
+    last bits; ``equal`` (o and S bitwise equal at both sizes) says that the
+    stage, or the contract in front of it, ignored chunk_size. Each size must
+    still be within the tolerance of the fp64 reference."""
+    stage = as_stage(stage)
+    dev = stage_device(stage.SPEC, device)
+    if len(chunks) != 2 or chunks[0] == chunks[1]:
+        raise ValueError(f"chunks must be two different chunk sizes, got {chunks!r}")
+    out, err = {}, {}
+    for bt in chunks:
+        inp = case_inputs(replace(case, chunk=bt), "cpu", stage.SPEC.compute_dtype)
+        got = run(stage.forward, inp, dev, backward=False)
+        ref = run(kda_reference, inp, dev, backward=False, dtype=torch.float64)
+        out[bt] = got
+        err[bt] = {n: rel_err(got[n], ref[n]) for n in ("o", "S")}
+    a, b = (out[bt] for bt in chunks)
+    return dict(err=err, equal=all(torch.equal(a[n], b[n]) for n in ("o", "S")), tol=tolerance(precision(stage.SPEC)))
 
 
 def summarize(rows) -> list[dict]:

@@ -158,7 +158,7 @@ def record_checks(stages, fla=False, flashkda=False):
         t0 = time.time()
         r = checks.check_stage(sid, cases, device="cuda")
         worst = checks.summarize(r)
-        det = checks.check_deterministic(sid, cases[min(5, len(cases) - 1)], device="cuda")
+        det = checks.check_deterministic(sid, checks.determinism_case(cases), device="cuda")
         for w in worst:
             w["deterministic_fwd"] = det
         rows += worst

@@ -38,10 +38,20 @@ def test_tensor_core_stage(sid, case):
     assert not bad, checks.format_rows(bad)
 
 
+@pytest.mark.parametrize("sid", FP32)
+def test_fp32_stage_uses_the_chunk_size(sid):
+    """Chunks of 16 and 64 both within tolerance of fp64, and not bitwise equal
+    (tests/test_stages_cpu.py::test_the_chunk_size_is_used, on the GPU)."""
+    case = checks.Case(2, 300, 3, 64, 48, chunk=64, gate="softplus", seed=18)
+    r = checks.check_chunk_sizes(sid, case, chunks=(16, 64), device="cuda")
+    assert all(e <= r["tol"] for errs in r["err"].values() for e in errs.values()), r
+    assert not r["equal"], "the outputs at chunks 16 and 64 are bitwise equal: chunk_size was ignored"
+
+
 @pytest.mark.parametrize("sid", GPU_STAGES)
 def test_forward_bitwise_deterministic(sid):
     cases = checks.cases_for(load_stage(sid).SPEC, "cuda")
-    assert checks.check_deterministic(sid, cases[min(5, len(cases) - 1)], device="cuda")
+    assert checks.check_deterministic(sid, checks.determinism_case(cases), device="cuda")
 
 
 @pytest.mark.parametrize("sid", TC)
