@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from common import checks
 from common.contract import prepare
 from common.inputs import make_inputs
 from common.stages import load_stage, stage_ids
@@ -158,21 +159,17 @@ def test_unsupported_gate_is_refused():
 
 @pytest.mark.parametrize("sid", stage_ids())
 def test_wrong_device_is_refused(sid):
-    """CPU stages refuse other devices; GPU stages refuse CPU tensors (no GPU needed)."""
+    """Inputs on a device a stage does not run on are refused by its forward, on
+    any machine: a GPU stage gets CPU tensors, a CPU stage (00 runs on both)
+    meta tensors, so no GPU is needed to build them."""
     stage = load_stage(sid)
     spec = stage.SPEC
-    if "cpu" in spec.devices:
-        if not torch.cuda.is_available():
-            pytest.skip("needs a GPU to build a tensor on another device")
-        if "cuda" in spec.devices:
-            pytest.skip("this stage runs on both devices")
-        kw = make_inputs(1, 20, 2, 16, 16, device="cuda")
-        with pytest.raises(ValueError, match="must be on cpu"):
-            stage.forward(**kw)
-    else:
-        kw = _kw(spec, device="cpu")
-        with pytest.raises(ValueError, match="q must be on cuda"):
-            stage.forward(**kw)
+    other = "cpu" if "cpu" not in spec.devices else "meta"
+    assert other not in spec.devices
+    kw = {n: (x.to(other) if torch.is_tensor(x) else x) for n, x in _kw(spec, device="cpu").items()}
+    want = f"q must be on {' or '.join(spec.devices)} for stage {spec.name}, got {other}"
+    with pytest.raises(ValueError, match=want):
+        stage.forward(**kw)
 
 
 @pytest.mark.parametrize("name", ["k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"])
@@ -184,6 +181,33 @@ def test_mixed_devices_are_refused(name):
     kw[name] = kw[name].to("meta")
     with pytest.raises(ValueError, match=f"{name} is on meta but q is on cpu"):
         prepare(spec, **kw)
+
+
+@pytest.mark.parametrize("sid", stage_ids())
+def test_prepare_carries_the_requested_chunk_size(sid):
+    """Every chunk size a stage allows reaches its Call as asked, not the
+    stage's default (a contract that ran every stage at its default chunk
+    would hide a stage's bug at the other sizes)."""
+    spec = _on_cpu(load_stage(sid).SPEC)
+    for chunk in spec.chunk_sizes or (16, 32, 128):
+        assert prepare(spec, **_kw(spec, device="cpu", chunk_size=chunk)).chunk_size == chunk, chunk
+    assert prepare(spec, **_kw(spec, device="cpu", chunk_size=None)).chunk_size == spec.default_chunk
+
+
+@pytest.mark.parametrize("regime", ["cpu_cases", "gpu_cases", "tc_cases"])
+def test_every_check_case_is_accepted_by_the_stages_of_its_regime(regime):
+    """The check cases are valid calls for every stage held to them
+    (checks.cases_for), so a case set cannot fail on the GPU for its shapes."""
+    cases = getattr(checks, regime)()
+    device = "cpu" if regime == "cpu_cases" else "cuda"
+    held = [sid for sid in stage_ids() if device in load_stage(sid).SPEC.devices
+            and checks.cases_for(load_stage(sid).SPEC, device) == cases]
+    assert held
+    for sid in held:
+        spec = load_stage(sid).SPEC
+        for case in cases:
+            c = prepare(_on_cpu(spec), **checks.case_inputs(case, dtype=spec.compute_dtype))
+            assert (c.B, c.T, c.H, c.K, c.V, c.chunk_size) == (case.B, case.T, case.H, case.K, case.V, case.chunk)
 
 
 def test_chunk_sizes_of_the_cpp_stage():

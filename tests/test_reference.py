@@ -1,5 +1,6 @@
 """The fp64 reference itself, checked against the recurrence written out by hand."""
 
+import pytest
 import torch
 
 from common.inputs import make_inputs
@@ -31,6 +32,19 @@ def test_gates():
     _, _, _, a = activate(g, g, g, g[..., 0], A_log, dt, gate="bounded", lower_bound=-3.0)
     assert torch.allclose(a, -3.0 / (1 + torch.exp(-torch.exp(A_log)[:, None] * x)))
     assert (a < 0).all() and (a > -3.0).all()
+
+
+@pytest.mark.parametrize("lb", [-1.0, -2.5, -5.0])
+def test_bounded_gate_spans_its_bounds(lb):
+    """The bounded gate's log-decay lies in [lower_bound, 0], falls as g grows,
+    and reaches lower_bound for a large g and 0 for a very negative one (a gate
+    that ignored or clamped lower_bound would miss one end)."""
+    g = torch.linspace(-60, 60, 121, dtype=torch.float64).reshape(1, 121, 1, 1)
+    zero = torch.zeros(1, dtype=torch.float64)
+    _, _, _, a = activate(g, g, g, g[..., 0], zero, zero.reshape(1, 1), gate="bounded", lower_bound=lb)
+    a = a.flatten()
+    assert (a >= lb).all() and (a <= 0).all() and (a[1:] <= a[:-1]).all()
+    assert abs(a[-1].item() - lb) < 1e-12 and abs(a[0].item()) < 1e-12
 
 
 def test_final_state_flag():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from common import checks
+from common.metrics import rel_err
 from common.stages import load_stage, stage_ids
 
 CPU_STAGES = [s for s in stage_ids() if "cpu" in load_stage(s).SPEC.devices]
@@ -25,10 +26,36 @@ def test_stage_matches_reference_and_previous(sid, case):
 
 @pytest.mark.parametrize("sid", CPU_STAGES)
 def test_output_final_state_false(sid):
+    """Without the final state the output is the same, bit for bit."""
     kw = checks.case_inputs(checks.cpu_cases()[0])
-    kw["output_final_state"] = False
-    o, S = load_stage(sid).forward(**kw)
-    assert S is None and torch.isfinite(o).all()
+    o1, S1 = load_stage(sid).forward(**kw)
+    o0, S0 = load_stage(sid).forward(**dict(kw, output_final_state=False))
+    assert S0 is None and S1 is not None and torch.equal(o0, o1)
+
+
+@pytest.mark.parametrize("sid", CPU_STAGES)
+def test_the_chunk_size_is_used(sid):
+    """Chunks of 16 and 32 both match the token loop, and not bitwise (another
+    summation order): a stage, or a contract, that ignores chunk_size fails."""
+    r = checks.check_chunk_sizes(sid, checks.cpu_cases()[4], chunks=(16, 32), device="cpu")
+    assert all(e <= r["tol"] for errs in r["err"].values() for e in errs.values()), r
+    assert not r["equal"], "the outputs at chunks 16 and 32 are bitwise equal: chunk_size was ignored"
+
+
+@pytest.mark.parametrize("sid", CPU_STAGES)
+def test_the_lower_bound_is_used(sid):
+    """The bounded gate's lower bound reaches the kernel: at -1, -2.5 and -5 the
+    stage matches the token loop (forward and gradients), and the output moves
+    with the bound (a stage that ignores or clamps lower_bound fails)."""
+    outs = []
+    for lb in (-1.0, -2.5, -5.0):
+        case = checks.Case(2, 40, 1, 8, 12, chunk=16, gate="bounded", lower_bound=lb, seed=8)
+        rows = checks.check_case(sid, case, device="cpu", prev=None)
+        bad = [r for r in rows if not r["ok"]]
+        assert not bad, checks.format_rows(bad)
+        outs.append(load_stage(sid).forward(**checks.case_inputs(case))[0])
+    for a, b in zip(outs, outs[1:]):
+        assert rel_err(a, b) > 1e-2
 
 
 @pytest.mark.parametrize("sid", CPU_STAGES)
@@ -50,8 +77,6 @@ def test_poison_catches_an_unwritten_output():
     with poisoned():
         x = alloc((3, 4))
     assert torch.isnan(x).all()
-    from common.metrics import rel_err
-
     assert rel_err(x, torch.ones(3, 4)) == float("inf")
 
 
@@ -92,7 +117,6 @@ def test_an_infinite_gate_is_a_documented_limit(g_bad):
     state in the token loop, but makes the chunked form's decay differences
     -inf - (-inf) = NaN: tokens before it keep the reference's answer, the rest
     of the run is NaN, in stages 00 and 01 alike (stages/00_naive/README.md)."""
-    from common.metrics import rel_err
     from common.reference import kda_reference
 
     kw = checks.make_inputs(1, 40, 1, 8, 8, seed=1, chunk_size=16)
