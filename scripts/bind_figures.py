@@ -1,0 +1,144 @@
+"""Write docs/figures.json: for every measured figure in the prose, the record it
+quotes (common.prose). Entries that still hold are kept; a figure without one (new,
+or whose record changed) gets the record its context names best, among those whose
+value rounds to it; a figure no record gives is listed, to be written in
+NOT_MEASURED below with the reason, or fixed in the prose.
+
+    python scripts/bind_figures.py            # update the index, print what changed
+    python scripts/bind_figures.py --check    # only say what is wrong (as tests/test_prose.py)
+    python scripts/bind_figures.py --rebind   # propose every entry afresh (keeps NOT_MEASURED)
+
+Review the diff of docs/figures.json: each proposed entry says its score and how many
+records tied ("why").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import prose  # noqa: E402
+
+# (document, text around the figure) -> why no record gives it. The text must contain the figure.
+NOT_MEASURED = {
+    ("docs/PERF_NOTES.md", "0.02 ms"): "the byte count at the measured copy rate (a derived estimate)",
+    ("docs/PERF_NOTES.md", "0.06-0.13 ms"): "an estimate of the chain's floor (1-2 us per chunk step x 64 chunks)",
+    ("docs/PERF_NOTES.md", "0.69 GB"): "the byte count of K1's workspace",
+    ("docs/PERF_NOTES.md", "0.54 GB"): "the byte count of the inputs",
+    ("docs/PERF_NOTES.md", "0.13 GB"): "the byte count of o",
+    ("docs/PERF_NOTES.md", "16.8 MB"): "the byte count of one bf16 input",
+    ("docs/PERF_NOTES.md", "3-5e3 cycles"): "the prediction before stage 08 was built",
+    ("stages/05_cute_bf16/README.md", "5.5e34"): "e^80, a constant",
+    ("stages/05_cute_bf16/README.md", "3.4e38"): "the largest bf16 value",
+    ("docs/PERF_NOTES.md", "4 x 16.8 MB"): "the byte count of the four bf16 inputs",
+    ("docs/PERF_NOTES.md", "(16.8 MB)"): "the byte count of o",
+    ("docs/PERF_NOTES.md", "2 x 4.2 MB"): "the byte count of h0 and the final state",
+    ("docs/PERF_NOTES.md", "about 92 MB"): "the byte count of the whole call (a sum of the above)",
+    ("README.md", "330 s that lease"): "the time limit of a run that did not finish (results/h200/notebooks.json, note)",
+    ("docs/DESIGN.md", "v2 26.8 / 73.1 ms"): "the seed's own figures on an H20 (shared/seed), not a run of this project",
+    ("docs/PERF_NOTES.md", "measured K1 at 27% and K2 at 71%"): "the seed's own H20 profile (shared/seed)",
+    ("stages/05_cute_bf16/README.md", "K2 at 71% and K1 at 27%"): "the seed's own H20 profile (shared/seed)",
+    ("stages/06_ws_pipeline/README.md", "took 24% of K2"): "the seed's own H20 profile (shared/seed)",
+    ("stages/06_ws_pipeline/README.md", "and 7.2% once"): "the seed's own H20 profile (shared/seed)",
+    ("notebooks/06_ws_pipeline.ipynb", "at 24% of K2, and 7.2% once"): "the seed's own H20 profile (shared/seed)",
+    ("docs/PERF_NOTES.md", "throughput 85%"): "an Nsight Compute reading of that session (not stored in results/)",
+    ("stages/09_smem_diet/README.md", "throughput 85%"): "an Nsight Compute reading (PERF_NOTES outcome 11; not stored in results/)",
+    ("notebooks/09_smem_diet.ipynb", "at 85% of its"): "an Nsight Compute reading (PERF_NOTES outcome 11; not stored in results/)",
+}
+
+# Evidence below which a proposed entry is marked for review: a figure of two significant digits (a
+# coincidence among thousands of records is likely there) not taken from the figures beside it, whose
+# context names its record weakly.
+WEAK_SCORE = 4.0
+
+
+def stage_of(doc: str):
+    m = re.match(r"(?:stages|notebooks)/(\d\d)_", doc)
+    return m.group(1) if m else None
+
+
+def not_measured(fig):
+    for (doc, text), why in NOT_MEASURED.items():
+        if doc == fig.doc and text in fig.line:
+            a = fig.line.index(text)
+            if a <= fig.start and fig.end <= a + len(text):
+                return why
+    return None
+
+
+def snippet(fig) -> str:
+    return fig.line[max(0, fig.start - 40):fig.end + 12].strip()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--rebind", action="store_true")
+    args = p.parse_args(argv)
+    if args.check:
+        bad = prose.check()
+        print("\n".join(bad) or "every figure is its record")
+        return 1 if bad else 0
+
+    docs = prose.documents()
+    lines = {d: t.splitlines() for d, t in docs}
+    figs = prose.all_figures(docs)
+    old = {} if args.rebind else prose.load_index()
+    table = prose.atoms()
+    binder = prose.Binder(table)
+    out, kept, proposed, missing = [], 0, 0, []
+    bound = {}  # figure key -> its entry, values first, so that a ratio can use the figures beside it
+    order = sorted(range(len(figs)), key=lambda i: figs[i].kind in ("ratio", "percent"))
+    results = [None] * len(figs)
+    for i in order:
+        f = figs[i]
+        k = prose.key_str(f.key)
+        why_not = not_measured(f)
+        entry = {"key": k, "at": snippet(f), "figure": f"{f.text} {f.unit}".strip()}
+        if why_not is not None:
+            results[i] = {**entry, "not_measured": why_not}
+            continue
+        e = old.get(k)
+        if e is not None and "not_measured" not in e:
+            try:
+                v = prose.value_of(e, f.unit, table)
+            except KeyError:
+                v = None
+            if v is not None and prose.matches(f.text, v):
+                results[i] = {**entry, **{x: e[x] for x in ("of", "ratio", "pct", "op", "from", "why", "review") if x in e}}
+                bound[f.key] = results[i]
+                kept += 1
+                continue
+        ctx = prose.context(lines[f.doc], f, stage_of(f.doc), binder.regions)
+        near = [table[bound[g.key]["of"]] for g in figs
+                if g.doc == f.doc and g.lineno == f.lineno and g.kind == "time" and "of" in bound.get(g.key, {})]
+        got = binder.propose(f, ctx, near)
+        if got is None:
+            missing.append(f)
+            continue
+        e, s, ties, n = got
+        results[i] = {**entry, **e, "why": f"score {s:.1f}, {ties} of {n} candidates tied"}
+        if prose.sig_digits(f.text) <= 2 and s < WEAK_SCORE and "from" not in e:
+            results[i]["review"] = "weak: two digits, a context that names its record weakly"
+        bound[f.key] = results[i]
+        proposed += 1
+    out = [r for r in results if r is not None]
+    prose.INDEX.write_text(json.dumps({"note": "which record each measured figure of the prose quotes: "
+                                               "see common/prose.py; written by scripts/bind_figures.py",
+                                       "figures": out}, indent=1, ensure_ascii=False) + "\n")
+    print(f"{len(figs)} figures: {kept} entries kept, {proposed} proposed, "
+          f"{sum('not_measured' in e for e in out)} not measured, {len(missing)} without any record, "
+          f"{sum('review' in e for e in out)} marked for review (weak evidence)")
+    for f in missing:
+        print(f"  NO RECORD {f.doc}:{f.lineno}: {f.text} {f.unit} in: {f.line.strip()[:150]}")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
