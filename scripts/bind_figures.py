@@ -53,8 +53,8 @@ NOT_MEASURED = {
 }
 
 # Evidence below which a proposed entry is marked for review: a figure of two significant digits (a
-# coincidence among thousands of records is likely there) not taken from the figures beside it, whose
-# context names its record weakly.
+# coincidence among thousands of records is likely there) that several records give, not taken from the
+# figures beside it, whose context names its record weakly.
 WEAK_SCORE = 4.0
 
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
             continue
         e, s, ties, n = got
         results[i] = {**entry, **e, "why": f"score {s:.1f}, {ties} of {n} candidates tied"}
-        if prose.sig_digits(f.text) <= 2 and s < WEAK_SCORE and "from" not in e:
+        if prose.sig_digits(f.text) <= 2 and s < WEAK_SCORE and n > 1 and "from" not in e:
             results[i]["review"] = "weak: two digits, a context that names its record weakly"
         bound[f.key] = results[i]
         proposed += 1
