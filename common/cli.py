@@ -265,8 +265,8 @@ def cmd_results(args) -> int:
     if args.write_readme:
         from .paths import REPO_ROOT
 
-        changed = report.update_readme(REPO_ROOT / "README.md")
-        _say("README.md results block " + ("updated" if changed else "already up to date"))
+        changed = report.update_readme(REPO_ROOT / "docs" / "RESULTS.md")
+        _say("docs/RESULTS.md results block " + ("updated" if changed else "already up to date"))
         for p in report.update_stage_readmes():
             _say(f"{p.relative_to(REPO_ROOT)}: measured block updated")
         for p in report.write_figures(REPO_ROOT):
@@ -321,7 +321,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("-U", "--context", type=int, default=3, help="lines of context")
     d.set_defaults(fn=cmd_diff)
     r = sub.add_parser("results", help="print the recorded results table")
-    r.add_argument("--write-readme", action="store_true", help="rewrite the results block of README.md")
+    r.add_argument("--write-readme", action="store_true",
+                   help="rewrite docs/RESULTS.md, the measured blocks of the stage READMEs and the figures")
     r.set_defaults(fn=cmd_results)
     return p
 

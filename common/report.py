@@ -741,7 +741,7 @@ def write_figures(root) -> list:
 
 
 def update_readme(path) -> bool:
-    """Rewrite the results block of README.md from results/. Returns True if it changed."""
+    """Rewrite the results block of a document (docs/RESULTS.md) from results/. Returns True if it changed."""
     text = Path(path).read_text()
     a, b = text.index(README_START), text.index(README_END) + len(README_END)
     new = text[:a] + readme_block() + text[b:]

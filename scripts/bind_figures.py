@@ -40,7 +40,7 @@ NOT_MEASURED = {
     ("docs/PERF_NOTES.md", "(16.8 MB)"): "the byte count of o",
     ("docs/PERF_NOTES.md", "2 x 4.2 MB"): "the byte count of h0 and the final state",
     ("docs/PERF_NOTES.md", "about 92 MB"): "the byte count of the whole call (a sum of the above)",
-    ("README.md", "330 s that lease"): "the time limit of a run that did not finish (results/h200/notebooks.json, note)",
+    ("docs/GUIDE.md", "330 s that lease"): "the time limit of a run that did not finish (results/h200/notebooks.json, note)",
     ("docs/DESIGN.md", "v2 26.8 / 73.1 ms"): "the seed's own figures on an H20 (shared/seed), not a run of this project",
     ("docs/PERF_NOTES.md", "measured K1 at 27% and K2 at 71%"): "the seed's own H20 profile (shared/seed)",
     ("stages/05_cute_bf16/README.md", "K2 at 71% and K1 at 27%"): "the seed's own H20 profile (shared/seed)",
@@ -94,6 +94,12 @@ def main(argv=None) -> int:
     old = {} if args.rebind else prose.load_index()
     table = prose.atoms()
     binder = prose.Binder(table)
+    keys = {prose.key_str(f.key) for f in figs}
+    moved = {}  # (masked-line hash, index in line) -> an entry no figure uses any more
+    for k, e in old.items():
+        if k not in keys and "not_measured" not in e:
+            _, h, _, i = k.split("|")
+            moved.setdefault((h, int(i)), e)
     out, kept, proposed, missing = [], 0, 0, []
     bound = {}  # figure key -> its entry, values first, so that a ratio can use the figures beside it
     order = sorted(range(len(figs)), key=lambda i: figs[i].kind in ("ratio", "percent"))
@@ -107,6 +113,8 @@ def main(argv=None) -> int:
             results[i] = {**entry, "not_measured": why_not}
             continue
         e = old.get(k)
+        if e is None:  # text moved to another document or line: the entry of the same masked line, if one is left
+            e = moved.get((f.key[1], f.key[3]))
         if e is not None and "not_measured" not in e:
             try:
                 v = prose.value_of(e, f.unit, table)
