@@ -587,15 +587,16 @@ def paths_markdown(stage_name: str) -> list[str]:
         d = dict(shape=lab, **{c: cell(pid) if c == pid else cell(results.FLASHKDA) if c == results.FLASHKDA
                                else cell(sid, c) for c in cols})
         fused = [r.get("peak_mb") for r in at if r["stage"] == sid and r["path"].startswith("fused")]
-        d.update(mem_split=cell(sid, "rule", "peak_mb"), mem_fused=fused[0] if fused else None,
-                 mem_fk=cell(results.FLASHKDA, key="peak_mb"))
+        split = [r.get("peak_mb") for r in at if r["stage"] == sid and r["path"].startswith("split")]
+        d.update(mem_rule=cell(sid, "rule", "peak_mb"), mem_split=split[0] if split else None,
+                 mem_fused=fused[0] if fused else None, mem_fk=cell(results.FLASHKDA, key="peak_mb"))
         table.append(d)
-    heads = ["shape", f"{pid} ms"] + [f"{p} ms" for p in paths] + ["FlashKDA ms", "peak MB split", "peak MB fused",
-                                                                  "peak MB FlashKDA"]
+    heads = ["shape", f"{pid} ms"] + [f"{p} ms" for p in paths] + ["FlashKDA ms", "peak MB rule", "peak MB split",
+                                                                  "peak MB fused", "peak MB FlashKDA"]
     return [f"Every path (`stage.path`), stage {pid} and FlashKDA measured in one call by `scripts/bench_paths.py` "
             f"(GPU time by CUDA-graph replay; peak memory above the inputs during one call; "
             f"`results/h200/{info['table']}.json`, {results.label(data['meta'])}):\n",
-            md_table(table, ["shape"] + cols + ["mem_split", "mem_fused", "mem_fk"], heads)]
+            md_table(table, ["shape"] + cols + ["mem_rule", "mem_split", "mem_fused", "mem_fk"], heads)]
 
 
 def ablations_overview_markdown() -> str:

@@ -50,3 +50,31 @@ def test_stage_readmes_measured_blocks_are_current():
         text = (REPO_ROOT / "stages" / name / "README.md").read_text()
         assert MEASURED_START in text, f"{name}/README.md has no generated measured block"
         assert stage_readme_block(name) in text, f"{name}/README.md is stale: run `kdalab results --write-readme`"
+
+
+def test_the_paths_tables_peak_columns_are_their_paths():
+    """In the stages with paths, "peak MB split" is the split path's peak and "peak MB rule" the rule's (the
+    split column once held the rule's: 21 MB where the split path needs 109 at B1 T1024 H64)."""
+    import json
+
+    from common.stages import STAGE_DIRS, path_stages
+
+    for sid in path_stages():
+        text = (REPO_ROOT / "stages" / STAGE_DIRS[sid] / "README.md").read_text()
+        lines = [line for line in text.splitlines() if line.startswith("| ") and "peak MB split" in line]
+        assert len(lines) == 1, sid
+        head = [c.strip() for c in lines[0].strip("|").split("|")]
+        body = text.splitlines()[text.splitlines().index(lines[0]) + 2:]
+        rec = sorted((REPO_ROOT / "results" / "h200" / f"stage{sid}").glob("paths_*.json"))
+        rows = [r for p in rec for r in json.loads(p.read_text())["rows"]]
+        checked = 0
+        for line in body:
+            if not line.startswith("| B"):
+                break
+            cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
+            split = {r["peak_mb"] for r in rows if r.get("stage", "").startswith(sid) and r["path"] == "split1"
+                     and "B%d T%d H%d K%d V%d" % (r["B"], r["T"], r["H"], r["K"], r["V"]) == cells["shape"]}
+            if split and cells["peak MB split"] != "-":
+                assert any(f"{v:.3g}" == cells["peak MB split"] for v in split), (sid, cells)
+                checked += 1
+        assert checked >= 4, sid
