@@ -182,9 +182,13 @@ def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title:
 
 
 def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: bool = True, ylabel=None):
-    """Grouped bars: one group per value of ``x`` (e.g. a shape), one bar per ``by``."""
+    """Grouped bars: one group per value of ``x`` (e.g. a shape), one bar per ``by``. Each bar carries its
+    value (so that steps of 1.02-1.3x, which a log axis hides, can be read) and a missing one says "n/a"; the
+    log axis is labelled at 1, 2 and 5 of every decade."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 4.4))
+        _, ax = plt.subplots(figsize=(10, 4.8))
     xs = []
     bys = []
     for r in rows:
@@ -193,16 +197,27 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
         if r[by] not in bys:
             bys.append(r[by])
     width = 0.8 / max(len(bys), 1)
+    present = [r[y] for r in rows if r.get(y)]
+    floor = min(present) / 2 if present else 1.0
     for j, b in enumerate(bys):
-        vals = []
-        for xv in xs:
+        at, vals = [], []
+        for i, xv in enumerate(xs):
             v = [r[y] for r in rows if r[x] == xv and r[by] == b and r.get(y) is not None]
-            vals.append(v[0] if v else 0.0)
-        ax.bar([i + j * width for i in range(len(xs))], vals, width=width, label=str(b), color=series_color(str(b)),
+            at.append(i + j * width)
+            vals.append(v[0] if v else None)
+        ax.bar(at, [v or 0.0 for v in vals], width=width, label=str(b), color=series_color(str(b)),
                alpha=0.55 if "anchor" in str(b) or "recorded" in str(b) else 1.0)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(xs))], [str(v) for v in xs], rotation=20, fontsize=8)
+        for xpos, v in zip(at, vals):
+            text, ypos = ("n/a", floor) if v is None else (f"{v:.3g}", v)
+            ax.text(xpos, ypos * (1.06 if logy else 1.0), text, rotation=90, ha="center", va="bottom", fontsize=6)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(xs))], [str(v) for v in xs], rotation=20, ha="right",
+                  fontsize=8)
     if logy:
         ax.set_yscale("log")
+        ax.set_ylim(bottom=floor / 1.5, top=(max(present) if present else 1.0) * 3)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax.set_ylabel(ylabel or y)
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
