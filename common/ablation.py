@@ -65,10 +65,8 @@ def variant(stage_id, name: str):
 
 def shape_for(stage_id) -> dict:
     """The shape a stage's ablations are timed and profiled at: its regime's
-    summary shape (report.REGIMES)."""
-    from .report import REGIMES, regime
-
-    return dict(REGIMES[regime(load_stage(stage_id).SPEC)]["shape"])
+    summary shape (bench.REGIMES)."""
+    return dict(bench.REGIMES[bench.regime(load_stage(stage_id).SPEC)]["shape"])
 
 
 def _time(fn, budget_s: float) -> dict:

@@ -19,7 +19,7 @@ from .checks import stage_device
 from .contract import prepare
 from .fla_ref import (FLASHKDA_NAME, fla_available, fla_forward, flashkda_available, flashkda_call,
                       flashkda_unsupported)
-from .inputs import make_cotangents, make_inputs
+from .inputs import make_cotangents, make_inputs, parse_shape, shape_label  # noqa: F401 (bench.shape_label)
 from .stages import load_stage, previous
 from .timing import time_call
 
@@ -30,6 +30,27 @@ FP32_GPU_SWEEP = [dict(B=2, T=t, H=4, K=64, V=64) for t in (128, 512, 2048, 8192
 TC_GPU_SHAPES = [dict(B=1, T=1024, H=64, K=128, V=128), dict(B=8, T=1024, H=64, K=128, V=128),
                  dict(B=1, T=8192, H=64, K=128, V=128), dict(B=1, T=8192, H=96, K=128, V=128),
                  dict(B=1, T=4096, H=16, K=128, V=128), dict(B=2, T=2048, H=4, K=64, V=64)]
+
+# The shape a stage's profile is taken at, per device type.
+PROFILE_SHAPE = {"cpu": dict(B=1, T=256, H=2, K=32, V=32), "cuda": dict(B=2, T=2048, H=4, K=64, V=64)}
+
+# The regimes of the tour's summary and of the ablations: one shape each, where a
+# column can be read down the ladder (:func:`regime` gives a stage's).
+REGIMES = {
+    "cpu": dict(title="fp32 on the CPU (softplus gate, chunk 64)", shape=CPU_SWEEP[-1], results=("cpu", "tour"),
+                refs=()),
+    "fp32-gpu": dict(title="fp32 on the GPU (softplus gate, chunk 64)", shape=FP32_GPU_SWEEP[2],
+                     results=("h200", "fp32_stages"), refs=("FLA chunk_kda",)),
+    "tc-gpu": dict(title="bf16 tensor cores on the GPU (bounded gate, chunk 16)", shape=TC_GPU_SHAPES[0],
+                   results=("h200", "tc_stages"), refs=("FLA chunk_kda", "FlashKDA")),
+}
+
+
+def regime(spec) -> str:
+    """The regime (a key of :data:`REGIMES`) of a stage's spec."""
+    if spec.compute_dtype == torch.bfloat16:
+        return "tc-gpu"
+    return "cpu" if "cpu" in spec.devices else "fp32-gpu"
 
 
 def sweep_for(spec, device, quick: bool = False):
@@ -48,19 +69,6 @@ def progress_bar(items, desc: str, unit: str):
     from tqdm import tqdm
 
     return tqdm(items, desc=desc, unit=unit, leave=False, file=sys.stdout, ncols=90, mininterval=1.0, delay=5.0)
-
-
-def shape_label(s: dict) -> str:
-    return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
-
-
-def parse_shape(text: str) -> dict:
-    """The shape of a label ("B8 T1024 H64 K128 V128", the inverse of :func:`shape_label`)."""
-    try:
-        d = {tok[0]: int(tok[1:]) for tok in text.split()}
-        return dict(B=d["B"], T=d["T"], H=d["H"], K=d["K"], V=d["V"])
-    except (KeyError, ValueError, IndexError):
-        raise ValueError(f"a shape is 'B.. T.. H.. K.. V..' (positive integers), got {text!r}") from None
 
 
 def path_inputs(shape: dict, device="cuda") -> dict:

@@ -389,51 +389,6 @@ def _parse_ptxas(text: str):
     return rows
 
 
-def build_parallel(stage_ids, *, profile: bool = True, say=print, jobs: int | None = None,
-                   ablations: bool = False) -> dict:
-    """Build stages (and their profile variants, and with ``ablations`` every
-    ablation variant of theirs) in parallel processes, one per extension, as a
-    tour or a GPU session does before anything else. Returns {stage id (or
-    "id -ablation"): the compiler's error lines} for those that failed."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    code = ("import sys\nfrom common.build import CompileError\nfrom common.stages import load_stage\n"
-            "try:\n    load_stage(sys.argv[1]).build(profile=sys.argv[2] == '1', "
-            "**({'ablation': sys.argv[3]} if len(sys.argv) > 3 else {}))\n"
-            "except CompileError as e:\n    print(e)\n    sys.exit(4)\n")
-    from .paths import REPO_ROOT
-    from .stages import load_stage
-
-    todo = []
-    for s in stage_ids:
-        stage = load_stage(s)
-        if not getattr(stage, "SOURCES", None):
-            continue
-        variants = [()] + ([(a.name,) for a in getattr(stage, "ABLATIONS", ())] if ablations else [])
-        todo += [(s, p) + v for v in variants for p in (("0", "1") if profile else ("0",))]
-    if not todo:
-        return {}
-    n = jobs or max(1, min(len(todo), (os.cpu_count() or 2) // 2))
-    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS", str(max(1, (os.cpu_count() or 2) // n))))
-    t0 = time.time()
-
-    def one(job):
-        sid, prof = job[:2]
-        what = sid + "".join(f" -{a}" for a in job[2:])
-        out = subprocess.run([sys.executable, "-c", code, *job], capture_output=True, text=True, cwd=REPO_ROOT,
-                             env=env)
-        say(f"{what}{' (profile)' if prof == '1' else ''}: {'built' if out.returncode == 0 else 'FAILED'} "
-            f"({time.time() - t0:.0f} s)")
-        return what, out.returncode, out.stdout + out.stderr
-
-    failed = {}
-    with ThreadPoolExecutor(n) as ex:
-        for what, rc, text in ex.map(one, todo):
-            if rc != 0:
-                failed[what] = text.strip()[-3000:]
-    return failed
-
-
 def import_module_from(path: Path, name: str):
     """Import a Python file by path (stage directories start with a digit)."""
     spec = importlib.util.spec_from_file_location(name, str(path))

@@ -260,7 +260,7 @@ def cmd_diff(args) -> int:
 
 def cmd_results(args) -> int:
     _headless_plots()
-    from . import report
+    from . import notebook, report
 
     if args.write_readme:
         from .paths import REPO_ROOT
@@ -269,7 +269,7 @@ def cmd_results(args) -> int:
         _say("docs/RESULTS.md results block " + ("updated" if changed else "already up to date"))
         for p in report.update_stage_readmes():
             _say(f"{p.relative_to(REPO_ROOT)}: measured block updated")
-        for p in report.write_figures(REPO_ROOT):
+        for p in notebook.write_figures(REPO_ROOT):
             _say(f"wrote {p.relative_to(REPO_ROOT)}")
         return EXIT_OK
     _say(report.results_markdown())

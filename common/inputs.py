@@ -86,3 +86,17 @@ def make_cotangents(o_shape, s_shape, *, seed=0, device="cpu"):
 
 TENSOR_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 GRAD_NAMES = TENSOR_ARGS  # the eight gradients a backward returns
+
+
+def shape_label(s: dict) -> str:
+    """A shape as one label: "B1 T1024 H64 K128 V128"."""
+    return f"B{s['B']} T{s['T']} H{s['H']} K{s['K']} V{s['V']}"
+
+
+def parse_shape(text: str) -> dict:
+    """The shape of a label ("B8 T1024 H64 K128 V128", the inverse of :func:`shape_label`)."""
+    try:
+        d = {tok[0]: int(tok[1:]) for tok in text.split()}
+        return dict(B=d["B"], T=d["T"], H=d["H"], K=d["K"], V=d["V"])
+    except (KeyError, ValueError, IndexError):
+        raise ValueError(f"a shape is 'B.. T.. H.. K.. V..' (positive integers), got {text!r}") from None

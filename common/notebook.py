@@ -17,19 +17,20 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 
 import pandas as pd
 import torch
 
 from . import bench, checks, results
 from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, PATHS_RECORDED, anchor_rows
-from .bench import progress_bar
+from .bench import PROFILE_SHAPE, progress_bar
 from .build import resource_usage
 from .fla_ref import fla_available, flashkda_available, flashkda_unsupported
 from .paths import STAGES_DIR
 from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeline, plot_latency, plot_paths,
                        plot_profile, split_bars)
-from .report import PROFILE_SHAPE
+from .report import README_FIGURES
 from .stages import STAGE_DIRS, load_stage, normalize, previous
 
 FIGURES: set = set()  # names of the functions below that draw a figure
@@ -745,25 +746,37 @@ FUSED_PREPARE = {
     "K2 producer: wait (free slot, barrier)": "barrier, free slot",
 }
 FUSED_COMPUTE_WAIT = "K2: wait for operands"
-# The fused kernel's prepare teams (stages/08_fused/kda.cu, kPrepTeams): thread 0 of
-# each team adds its timeline to the block's prepare regions, so these hold the sum
-# of the teams' timelines, each spanning the block's lifetime. (The recorded file
-# is of a kernel with this many teams: results.PATHS_RECORDED.)
-FUSED_PREP_TEAMS = 2
+# The fused kernel's prepare teams are a fact of its stage (stage.py PREP_TEAMS, the
+# kernel's kPrepTeams): thread 0 of each team adds its timeline to the block's prepare
+# regions, so these hold the sum of the teams' timelines, each spanning the block's
+# lifetime. (The recorded files are of kernels with that many teams: results.PATHS_RECORDED.)
+FUSED_STAGE = "08"  # the first stage with the fused kernel
 
 
-def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int = FUSED_PREP_TEAMS) -> dict:
+def prep_teams(stage_id=FUSED_STAGE) -> int:
+    """The prepare teams of a stage's fused kernel (its stage.py PREP_TEAMS)."""
+    return load_stage(stage_id).PREP_TEAMS
+
+
+def __getattr__(name):
+    if name == "FUSED_PREP_TEAMS":  # the name prose checks use: stage 08's PREP_TEAMS
+        return prep_teams()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int | None = None) -> dict:
     """A profile of the fused kernel (region -> clock64 cycles per block, mean
     over blocks) per chunk: {"prepare warps": {region: cycles / (teams NT)},
     "compute warps": {region: cycles / NT}} with NT = ceil(T / chunk), the
     regions in the order a chunk goes through them; the prepare regions are the
     sum over the kernel's ``teams`` prepare teams, each working on every
     teams-th chunk, so they are shown per team (a team's cycles per chunk of the
-    block). The two groups time the same block side by side, so their totals
+    block; default: stage 08's PREP_TEAMS). The two groups time the same block side by side, so their totals
     must agree (within 5%); otherwise this is not one fused block's profile (a
     split path's, a region missing, the wrong team count): ValueError."""
     if T < 1:
         raise ValueError(f"T must be positive, got {T}")
+    teams = prep_teams() if teams is None else teams
     nt = -(-T // chunk)
     prep = {r: prof[r] / (nt * teams) for r in FUSED_PREPARE if r in prof}
     comp = {FUSED_COMPUTE_WAIT: prof.get(FUSED_COMPUTE_WAIT, 0.0) / nt}
@@ -828,15 +841,37 @@ def fused_profile(stage_id="08"):
     if got is None:
         return None
     row, where = got
-    groups = chunk_profile(row["profile"], row["T"])
+    teams = prep_teams(stage_id)
+    groups = chunk_profile(row["profile"], row["T"], teams=teams)
     tot = chunk_totals(groups)
     print(f"per chunk: prepare warps {tot['prepare']:.3g} cycles; compute warps {tot['compute']:.3g} "
           f"(waiting for operands {tot['wait']:.3g}, the chain {tot['chain']:.3g})")
     ncw = load_stage(stage_id).PATHS[row["path"]][1]
-    bars = {f"{FUSED_PREP_TEAMS} x 4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
+    bars = {f"{teams} x 4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
     labels = dict(FUSED_PREPARE, **{FUSED_COMPUTE_WAIT: "waiting for\nthe prepare"})
     first = next(r for r in groups["compute warps"] if r != FUSED_COMPUTE_WAIT)
     chain = format_total(tot["chain"], "cycles").replace(" cycles", "")
     return plot_chunk_timeline(bars, labels=labels, brace=(f"{ncw} compute warps", first, f"the chain: {chain}"),
                                title=f"The fused kernel ({row['path']}) per chunk, {bench.shape_label(row)} "
                                      f"({'measured live' if where == 'live' else 'recorded on the H200'})")
+
+
+TC_LADDER = ["05", "06", "07", "08", "09"]  # the tensor-core stages, in the README's figure and the summary notebook
+
+
+def write_figures(root) -> list:
+    """The README's figures (report.README_FIGURES), drawn from the recorded results (no GPU needed):
+    the ladder at the seed's shape and the tensor-core stages against FLA and
+    FlashKDA at the H200 shapes."""
+    import matplotlib.pyplot as plt
+
+    draw = {"ladder": ladder, "tensor-core shapes": lambda: tc_latency(TC_LADDER)}
+    out = []
+    for key, fn in draw.items():
+        ax, _ = fn()
+        path = Path(root) / README_FIGURES[key]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ax.figure.savefig(path, dpi=110, bbox_inches="tight")
+        out.append(path)
+    plt.close("all")
+    return out

@@ -21,31 +21,13 @@ import os
 from pathlib import Path
 
 from . import bench, checks, results
+from .bench import PROFILE_SHAPE, REGIMES, regime  # noqa: F401 (report.REGIMES, report.regime)
 from .metrics import worst
 from .paths import RESULTS_DIR
 from .plotting import plot_bars, plot_latency, plot_profile, split_bars
 from .stages import STAGE_DIRS, load_stage, previous
 
-# The shape a stage's profile is taken at, per device type.
-PROFILE_SHAPE = {"cpu": dict(B=1, T=256, H=2, K=32, V=32), "cuda": dict(B=2, T=2048, H=4, K=64, V=64)}
-
-REGIMES = {
-    "cpu": dict(title="fp32 on the CPU (softplus gate, chunk 64)", shape=bench.CPU_SWEEP[-1], results=("cpu", "tour"),
-                refs=()),
-    "fp32-gpu": dict(title="fp32 on the GPU (softplus gate, chunk 64)", shape=bench.FP32_GPU_SWEEP[2],
-                     results=("h200", "fp32_stages"), refs=("FLA chunk_kda",)),
-    "tc-gpu": dict(title="bf16 tensor cores on the GPU (bounded gate, chunk 16)", shape=bench.TC_GPU_SHAPES[0],
-                   results=("h200", "tc_stages"), refs=("FLA chunk_kda", "FlashKDA")),
-}
 TOUR_BUDGET_S = 60.0  # seconds of live timing per GPU stage; recorded figures for the shapes beyond it
-
-
-def regime(spec) -> str:
-    import torch
-
-    if spec.compute_dtype == torch.bfloat16:
-        return "tc-gpu"
-    return "cpu" if "cpu" in spec.devices else "fp32-gpu"
 
 
 def _fmt(v, spec="{:.3g}"):
@@ -229,7 +211,7 @@ def _timed_shapes(spec, dev, quick: bool):
 def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bool = False) -> dict:
     import torch
 
-    from .build import build_parallel
+    from .stages import build_parallel
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -718,29 +700,6 @@ def readme_block() -> str:
 
 
 README_FIGURES = {"ladder": "docs/ladder.png", "tensor-core shapes": "docs/tc_latency.png"}
-TC_LADDER = ["05", "06", "07", "08", "09"]  # the tensor-core stages, in the README's figure and the summary notebook
-
-
-def write_figures(root) -> list:
-    """The README's figures, drawn from the recorded results (no GPU needed):
-    the ladder at the seed's shape and the tensor-core stages against FLA and
-    FlashKDA at the H200 shapes."""
-    import matplotlib.pyplot as plt
-
-    from . import notebook
-
-    draw = {"ladder": notebook.ladder, "tensor-core shapes": lambda: notebook.tc_latency(TC_LADDER)}
-    out = []
-    for key, fn in draw.items():
-        ax, _ = fn()
-        path = Path(root) / README_FIGURES[key]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ax.figure.savefig(path, dpi=110, bbox_inches="tight")
-        out.append(path)
-    plt.close("all")
-    return out
-
-
 def update_readme(path) -> bool:
     """Rewrite the results block of a document (docs/RESULTS.md) from results/. Returns True if it changed."""
     text = Path(path).read_text()

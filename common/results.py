@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .fla_ref import FLASHKDA_NAME
+from .inputs import shape_label
 from .paths import REPO_ROOT, RESULTS_DIR
 
 
@@ -119,12 +120,10 @@ def measured_flashkda_rows(data=None) -> list[dict]:
 def anchor_rows(fla_measured_at=frozenset(), flashkda_measured_at=None):
     """FLA / FlashKDA figures of the newest anchor file (results/anchors/,
     measured on the same H200 beside the stages), as rows like the benchmark's.
-    FLA's anchor is left out at the shapes (bench.shape_label) where FLA itself
+    FLA's anchor is left out at the shapes (inputs.shape_label) where FLA itself
     was measured by this project, FlashKDA's at the shapes in
     ``flashkda_measured_at`` (default: those of :func:`measured_flashkda_rows`).
     FlashKDA's rows are labelled "FlashKDA (anchor <file>)"."""
-    from .bench import shape_label
-
     if flashkda_measured_at is None:
         flashkda_measured_at = {shape_label(r) for r in measured_flashkda_rows()}
     data, path = newest_anchor()
@@ -144,8 +143,6 @@ def flashkda_rows(measured=None) -> list[dict]:
     """FlashKDA at every shape it has figures for: measured live beside the
     stages where results/h200/tc_stages.json has it (``measured``: such rows
     instead), else the newest anchor's."""
-    from .bench import shape_label
-
     measured = measured_flashkda_rows() if measured is None else list(measured)
     at = {shape_label(r) for r in measured}
     return measured + [r for r in anchor_rows(flashkda_measured_at=at) if r["stage"].startswith(FLASHKDA)]

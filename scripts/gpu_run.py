@@ -64,7 +64,7 @@ def sh(cmd, timeout, name):
 def build_all(stages, ablations=False):
     """Build every extension (normal + profile, and the ablation variants when
     asked) in parallel processes."""
-    from common.build import build_parallel
+    from common.stages import build_parallel
 
     t0 = time.time()
     failed = build_parallel(stages, jobs=min(32, 2 * len(stages) * (4 if ablations else 1)), say=log,
@@ -188,7 +188,7 @@ def record_checks(stages, fla=False, flashkda=False):
 
 def record_profiles(stages):
     from common import checks
-    from common.report import PROFILE_SHAPE
+    from common.bench import PROFILE_SHAPE
     from common.results import metadata, save
     from common.stages import load_stage
 

@@ -92,6 +92,10 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
 SEGMENT_CHUNKS = 64
 
+# The fused kernel's prepare teams of 4 warps on alternate chunks (kda.cu kPrepTeams; a test
+# compares): thread 0 of each team adds its timeline to the block's prepare regions of a profile.
+PREP_TEAMS = 2
+
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
 
