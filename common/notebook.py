@@ -758,12 +758,6 @@ def prep_teams(stage_id=FUSED_STAGE) -> int:
     return load_stage(stage_id).PREP_TEAMS
 
 
-def __getattr__(name):
-    if name == "FUSED_PREP_TEAMS":  # the name prose checks use: stage 08's PREP_TEAMS
-        return prep_teams()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int | None = None) -> dict:
     """A profile of the fused kernel (region -> clock64 cycles per block, mean
     over blocks) per chunk: {"prepare warps": {region: cycles / (teams NT)},

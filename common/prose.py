@@ -288,7 +288,7 @@ def _leaves(path, data) -> list:
 
 
 def _file_atoms(rel: str, data) -> list[Atom]:
-    from .notebook import FUSED_KERNELS, FUSED_PREP_TEAMS, chunk_profile, chunk_totals
+    from .notebook import FUSED_KERNELS, chunk_profile, chunk_totals, prep_teams
 
     atoms = []
     for ptr, v, unit, tags, row in _leaves(rel, data):
@@ -315,7 +315,7 @@ def _file_atoms(rel: str, data) -> list[Atom]:
             sums.setdefault(k, [0.0, base - {t for t in base if t.startswith("region:")}])[0] += r["value"]
         prof = r.get("profile")
         if isinstance(prof, dict) and set(r.get("kernels") or ()) == FUSED_KERNELS and isinstance(r.get("T"), int):
-            for teams in (FUSED_PREP_TEAMS, 1):
+            for teams in (prep_teams(r.get("stage", "08")[:2]), 1):  # the stage's teams; one before 3758aa5
                 try:
                     groups = chunk_profile(prof, r["T"], teams=teams)
                 except ValueError:
@@ -535,11 +535,8 @@ class Binder:
     def __init__(self, table=None):
         self.table = table or atoms()
         self.by_unit: dict = {}
-        self.groups: dict = {}
         for a in self.table.values():
             self.by_unit.setdefault(a.unit, []).append(a)
-            if a.group is not None:
-                self.groups.setdefault(a.group, []).append(a)
         # where a ratio's two records are looked for, in order (the first that has a match is taken):
         # one file and one quantity (two rows of one measurement), one file, then any file
         self.tiers = []
@@ -650,11 +647,12 @@ class Binder:
 def _key(a: Atom) -> str:
     """The quantity of an atom: its JSON key, with the stage prefix of an anchor's keys dropped, so that a
     stage's fwd_graph_ms and FlashKDA's flashkda_ms of one call are one quantity ("ms")."""
-    key = next((t[4:] for t in a.tags if t.startswith("key:")), "")
     if a.id.split("#")[-1].startswith("sum/") or "/profile" in a.id:
         return "cycles"
-    return "ms" if key.endswith("_ms") and not key.startswith(("fwd_min", "bwd_min")) and "graph" in key or \
-        key in ("fla_ms", "flashkda_ms", "fla_safe_graph_ms", "flashkda_graph_ms") else key
+    key = next((t[4:] for t in a.tags if t.startswith("key:")), "")
+    graph = key.endswith("_graph_ms")
+    anchor = key in ("fla_ms", "flashkda_ms", "fla_safe_graph_ms", "flashkda_graph_ms")
+    return "ms" if graph or anchor else key
 
 
 def _tag_shape(tags) -> tuple:

@@ -33,4 +33,4 @@ def test_the_fused_stages_have_their_prepare_teams():
     from common import notebook
 
     assert [s for s in stage_ids() if hasattr(load_stage(s), "PREP_TEAMS")] == ["08", "09"]
-    assert notebook.FUSED_PREP_TEAMS == load_stage("08").PREP_TEAMS == notebook.prep_teams("09")
+    assert notebook.prep_teams() == load_stage("08").PREP_TEAMS == notebook.prep_teams("09")
