@@ -81,6 +81,12 @@ def _timings(st, spec, shape, budget_s: float) -> dict:
             st.forward(**kw)
 
     out = {"fwd_" + k: v for k, v in _time(f, budget_s).items()}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    f()
+    torch.cuda.synchronize()
+    out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20  # what one call adds to memory
     if spec.backward:  # the variant's own build: bench's backward closure calls st.build()
         out.update({"bwd_" + k: v for k, v in _time(bench._backward_fn(st, kw, "cuda"), budget_s).items()})
     return out
@@ -95,7 +101,11 @@ def measure(stage_id, *, budget_s: float = 1.0, quick: bool = False, say=print) 
     shape = shape_for(sid)
     cases = checks.cases_for(spec, "cuda", quick=quick)
     rows = []
-    for ab in (None,) + ablations(sid):
+    # the full stage at its regime shape and at every other shape an ablation names
+    shapes = [shape] + [dict(a.shape) for a in ablations(sid) if a.shape and dict(a.shape) != shape]
+    shapes = [x for i, x in enumerate(shapes) if x not in shapes[:i]]
+    runs = [(None, x) for x in shapes] + [(ab, dict(ab.shape or shape)) for ab in ablations(sid)]
+    for ab, shape in runs:
         st = stage if ab is None else variant(sid, ab.name)
         t0 = time.time()
         r = checks.check_stage(st, cases, device="cuda", prev=(None if ab is None else stage))
@@ -135,17 +145,24 @@ def recorded_rows(stage_id=None) -> tuple[dict | None, list[dict]]:
     return rec["meta"], rows
 
 
+def _shape_of(r) -> tuple:
+    return tuple(r.get(k) for k in ("B", "T", "H", "K", "V"))
+
+
 def bought(rows) -> list[dict]:
     """Per ablation: how much slower the stage is without the idea (the idea's
-    gain), forward and (where timed) backward, and the region that moved most
-    (per block cycles, variant - full)."""
-    full = next(r for r in rows if r["variant"] == "full")
+    gain), forward and (where timed) backward, against the full stage at the
+    same shape, and the region that moved most (per block cycles, variant - full)."""
+    fulls = {_shape_of(r): r for r in rows if r["variant"] == "full"}
     out = []
     for r in rows:
         if r["variant"] == "full":
             continue
+        full = fulls.get(_shape_of(r)) or next(iter(fulls.values()))
         d = dict(variant=r["variant"], idea=r["idea"], instead=r["instead"], checks_ok=r["checks_ok"],
-                 err_full=r["err_full"])
+                 err_full=r["err_full"], shape=bench.shape_label(r))
+        if r.get("peak_mb") is not None and full.get("peak_mb") is not None:
+            d["peak_mb_without"], d["peak_mb_with"] = r["peak_mb"], full["peak_mb"]
         for y in ("fwd", "bwd"):
             a, b = bench.best_ms(r, y), bench.best_ms(full, y)
             if a is not None and b is not None:

@@ -84,6 +84,8 @@ class Ablation:
     idea: str  # the idea it turns off, as the stage's README names it
     instead: str  # what the variant does instead
     region: str  # the profile region where the idea shows (a name in SPEC.regions)
+    # the shape the idea shows at, where the stage's regime shape does not run it (None: that shape)
+    shape: dict | None = None
 
 
 def ablation_build_args(ablations, name) -> dict:

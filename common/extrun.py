@@ -27,12 +27,12 @@ from .contract import Call, StageSpec, alloc
 MAX_REGIONS = 16
 
 
-def _fwd(ext, c: Call, prof=None):
+def _fwd(ext, c: Call, prof=None, path=None):
     dev = c.device
     o = alloc((c.B, c.T, c.H, c.V), c.q.dtype, dev)
     ht = alloc((c.B, c.H, c.K, c.V), torch.float32, dev)
     ext.fwd(c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state, c.scale, c.gate_id,
-            c.lower_bound, c.chunk_size, o, ht, prof)
+            c.lower_bound, c.chunk_size, o, ht, prof, **(path or {}))
     return o, ht
 
 
@@ -73,16 +73,17 @@ class _KdaFunction(torch.autograd.Function):
         return (None, None) + tuple(grads)
 
 
-def run(ext, spec: StageSpec, c: Call):
+def run(ext, spec: StageSpec, c: Call, path: dict | None = None):
     """Forward through a compiled stage; differentiable when the stage has a
-    backward and an input requires grad. Returns (o in v's dtype, ht or None)."""
+    backward and an input requires grad. Returns (o in v's dtype, ht or None).
+    ``path``: keyword arguments of a stage with several paths (its path pin)."""
     tensors = (c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state)
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if need_grad and spec.backward:
         o, ht = _KdaFunction.apply(ext, c, *tensors)
     else:
         with torch.no_grad():
-            o, ht = _fwd(ext, c)
+            o, ht = _fwd(ext, c, path=path)
     return o.to(c.out_dtype), (ht if c.output_final_state else None)
 
 
@@ -111,7 +112,8 @@ def summarize(buf: torch.Tensor, regions) -> dict:
     return out
 
 
-def profile(ext_prof, spec: StageSpec, c: Call, *, backward: bool = False, seed: int = 0) -> dict:
+def profile(ext_prof, spec: StageSpec, c: Call, *, backward: bool = False, seed: int = 0,
+            path: dict | None = None) -> dict:
     """Run the profile build once (forward, and backward when asked) and return
     {region: seconds or cycles}. Forward regions come from the forward call;
     from the backward call only regions named "bwd: ..." are kept (a backward
@@ -119,7 +121,7 @@ def profile(ext_prof, spec: StageSpec, c: Call, *, backward: bool = False, seed:
     not visit are left out."""
     buf = _prof_buffer(spec, c)
     with torch.no_grad():
-        _fwd(ext_prof, c, buf)
+        _fwd(ext_prof, c, buf, path=path)
         res = {k: v for k, v in summarize(buf, spec.regions).items() if not k.startswith("bwd:")}
         if backward:
             if not spec.backward:

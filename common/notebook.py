@@ -525,7 +525,7 @@ def ablation_table(stage_id) -> pd.DataFrame:
     print("recorded: " + results.label(meta))
     out = []
     for b in ablation.bought(rows):
-        d = dict(idea=b["idea"], instead=b["instead"])
+        d = dict(idea=b["idea"], instead=b["instead"], shape=b["shape"])
         for y in ("fwd", "bwd"):
             if b.get(f"{y}_ms_without") is not None:
                 d[f"{y} ms with"] = round(b[f"{y}_ms_with"], 4)
@@ -535,6 +535,9 @@ def ablation_table(stage_id) -> pd.DataFrame:
             d["region"] = b["region"]
             d["region with"] = f"{b['region_with']:.3g}"
             d["region without"] = f"{b['region_without']:.3g}"
+        if "peak_mb_without" in b:
+            d["peak MB with"] = round(b["peak_mb_with"], 1)
+            d["peak MB without"] = round(b["peak_mb_without"], 1)
         d["checks"] = "ok" if b["checks_ok"] else "FAILED"
         d["err vs full stage"] = f"{b['err_full']:.1e}"
         out.append(d)
@@ -558,20 +561,20 @@ def ablation_plot(stage_id):
                                f"(recorded, {meta.get('device', 'H200')})")
 
 
-# ---- a stage with several paths (stages 08, 09): every path side by side -----
+# ---- a stage with several paths (stages 08-10): every path side by side -----
 
 FUSED_KERNELS = {"kda_fused_kernel"}  # what a fused path launches; a split path launches K1 + K2
 SPLIT_KERNELS = {"kda_prepare_kernel", "kda_recurrence_kernel"}
 FUSED_VS_PREVIOUS = 1e-3  # a fused path against the previous stage (tests/test_stage_paths.py): only the
-                          # decay factors' ex2.approx (08 against 07) or the order of a row's sums (09 against
-                          # 08) differ, and now and then a bf16 output rounds the other way
+                          # decay factors' ex2.approx (09 against 08) or the order of a row's sums (10 against
+                          # 09) differ, and now and then a bf16 output rounds the other way
 
 _PATHS: dict = {}  # stage id -> (rows, notes, recorded meta): measured once per notebook session
 
 
 def path_problems(row: dict, prev_id: str = "07") -> list[str]:
     """What is wrong with one row of a paths measurement (common.bench.path_rows,
-    or its recorded file), against what stages 08 and 09 promise: the row ran and was
+    or its recorded file), against what stages 08-10 promise: the row ran and was
     timed; a row of the stage launched either K1 + K2 or the fused kernel alone
     (a pinned path: the one its name says), a split launch gives the previous
     stage's outputs bitwise, a fused one stays within FUSED_VS_PREVIOUS of them
@@ -657,13 +660,13 @@ def _say_paths(stage_id):
     return rows
 
 
-def paths_table(stage_id="08") -> pd.DataFrame:
+def paths_table(stage_id="09") -> pd.DataFrame:
     """Every path of the stage per shape (its rule and each path that
     ``stage.path`` can pin), beside the previous stage and FlashKDA measured in
     the same call: GPU time (graph replay), the ratios to both, peak memory,
     whether the outputs are bitwise the previous stage's, and the checks of
     :func:`path_problems`. Live on a GPU (within a 30-second budget), else the
-    recorded file (results/h200/stage08/)."""
+    recorded file (results/h200/stageNN/)."""
     sid = normalize(stage_id)
     rows = _say_paths(sid)
     pid = previous(sid)
@@ -695,7 +698,7 @@ def paths_table(stage_id="08") -> pd.DataFrame:
 
 
 @figure
-def paths_plot(stage_id="08"):
+def paths_plot(stage_id="09"):
     """The figure of :func:`paths_table`: per shape, the GPU time of the
     previous stage, the rule, every path and FlashKDA, coloured against the
     previous stage, and the peak memory of the split path (the previous
@@ -750,7 +753,7 @@ FUSED_COMPUTE_WAIT = "K2: wait for operands"
 # kernel's kPrepTeams): thread 0 of each team adds its timeline to the block's prepare
 # regions, so these hold the sum of the teams' timelines, each spanning the block's
 # lifetime. (The recorded files are of kernels with that many teams: results.PATHS_RECORDED.)
-FUSED_STAGE = "08"  # the first stage with the fused kernel
+FUSED_STAGE = "09"  # the first stage with the fused kernel
 
 
 def prep_teams(stage_id=FUSED_STAGE) -> int:
@@ -765,7 +768,7 @@ def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int | None = None)
     regions in the order a chunk goes through them; the prepare regions are the
     sum over the kernel's ``teams`` prepare teams, each working on every
     teams-th chunk, so they are shown per team (a team's cycles per chunk of the
-    block; default: stage 08's PREP_TEAMS). The two groups time the same block side by side, so their totals
+    block; default: stage 09's PREP_TEAMS). The two groups time the same block side by side, so their totals
     must agree (within 5%); otherwise this is not one fused block's profile (a
     split path's, a region missing, the wrong team count): ValueError."""
     if T < 1:
@@ -825,12 +828,12 @@ def _fused_row(stage_id):
 
 
 @figure
-def fused_profile(stage_id="08"):
+def fused_profile(stage_id="09"):
     """Where a chunk's time goes in the fused kernel: the prepare warps'
     regions against the compute warps' (their wait for operands, then the
     recurrence's chain), clock64 cycles per chunk on one axis
     (:func:`chunk_profile`). Live on a GPU (the fused path pinned), else the
-    recorded profile (results/h200/stage08/)."""
+    recorded profile (results/h200/stageNN/)."""
     got = _fused_row(stage_id)
     if got is None:
         return None
@@ -850,7 +853,7 @@ def fused_profile(stage_id="08"):
                                      f"({'measured live' if where == 'live' else 'recorded on the H200'})")
 
 
-TC_LADDER = ["05", "06", "07", "08", "09"]  # the tensor-core stages, in the README's figure and the summary notebook
+TC_LADDER = ["05", "06", "07", "08", "09", "10"]  # the tensor-core stages, in the README's figure and the summary notebook
 
 
 def write_figures(root) -> list:

@@ -315,7 +315,7 @@ def _file_atoms(rel: str, data) -> list[Atom]:
             sums.setdefault(k, [0.0, base - {t for t in base if t.startswith("region:")}])[0] += r["value"]
         prof = r.get("profile")
         if isinstance(prof, dict) and set(r.get("kernels") or ()) == FUSED_KERNELS and isinstance(r.get("T"), int):
-            for teams in (prep_teams(r.get("stage", "08")[:2]), 1):  # the stage's teams; one before 3758aa5
+            for teams in (prep_teams(r.get("stage", "09")[:2]), 1):  # the stage's teams; one before 3758aa5
                 try:
                     groups = chunk_profile(prof, r["T"], teams=teams)
                 except ValueError:

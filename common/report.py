@@ -593,7 +593,7 @@ def ablations_overview_markdown() -> str:
             continue
         full = next(r for r in rows if r["variant"] == "full")
         for b in ablation.bought(rows):
-            table.append(dict(stage=full["stage"], shape=bench.shape_label(full), idea=b["idea"],
+            table.append(dict(stage=full["stage"], shape=b["shape"], idea=b["idea"],
                               fwd=f"x{b['fwd_speedup']:.2f}" if "fwd_speedup" in b else "-",
                               bwd=f"x{b['bwd_speedup']:.2f}" if "bwd_speedup" in b else "-",
                               checks="ok" if b["checks_ok"] else "FAILED"))
@@ -615,13 +615,17 @@ def ablation_markdown(stage_name: str) -> list[str]:
     if not rows:
         return ["What each idea bought: not measured yet (`kdalab ablate " + sid + "` on a GPU).\n"]
     full = next(r for r in rows if r["variant"] == "full")
-    out = [f"What each idea bought, at {bench.shape_label(full)} (each idea turned off alone by its compile-time "
+    shapes = {b["shape"] for b in ablation.bought(rows)}
+    at = f"at {bench.shape_label(full)}" if len(shapes) == 1 else "at the shape where each idea runs"
+    out = [f"What each idea bought, {at} (each idea turned off alone by its compile-time "
            f"switch, every variant checked like the stage; GPU time per call, and the profile region the idea "
            f"moved in clock64 cycles per block; {results.label(meta)}):\n"]
     table = []
     for b in ablation.bought(rows):
         d = dict(idea=b["idea"], instead=b["instead"], checks="ok" if b["checks_ok"] else "FAILED",
-                 err=f"{b['err_full']:.1e}")
+                 err=f"{b['err_full']:.1e}", shape=b["shape"])
+        if "peak_mb_without" in b:
+            d["peak"] = f"{b['peak_mb_without']:.3g} / {b['peak_mb_with']:.3g}"
         for y in ("fwd", "bwd"):
             if b.get(f"{y}_ms_without") is not None:
                 d[y] = (f"{b[f'{y}_ms_without']:.3g} / {b[f'{y}_ms_with']:.3g} "
@@ -630,9 +634,13 @@ def ablation_markdown(stage_name: str) -> list[str]:
             d["region"] = f"{b['region']}: {b['region_without']:.3g} / {b['region_with']:.3g}"
         table.append(d)
     cols, heads = ["idea", "instead"], ["idea turned off", "instead"]
+    if len(shapes) > 1:
+        cols, heads = cols + ["shape"], heads + ["shape"]
     for y, h in (("fwd", "forward ms without / with"), ("bwd", "backward ms without / with")):
         if any(y in d for d in table):
             cols, heads = cols + [y], heads + [h]
+    if any("peak" in d for d in table):
+        cols, heads = cols + ["peak"], heads + ["peak MB without / with"]
     cols += ["region", "checks", "err"]
     heads += ["region: without / with", "checks", "vs the full stage"]
     out.append(md_table(table, cols, heads))

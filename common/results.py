@@ -85,9 +85,9 @@ def newest_anchor():
 # (the same kernels: only the rule differed), with the path and shape whose
 # timeline the stage's notebook shows (common.notebook.fused_profile).
 PATHS_RECORDED = {
-    "08": dict(table="stage08/paths_d91b051", profile="stage08/paths_d91b051",
-               profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
     "09": dict(table="stage09/paths_d91b051", profile="stage09/paths_d91b051",
+               profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
+    "10": dict(table="stage10/paths_d91b051", profile="stage10/paths_d91b051",
                profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
 }
 

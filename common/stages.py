@@ -26,8 +26,9 @@ STAGE_DIRS = {
     "05": "05_cute_bf16",
     "06": "06_ws_pipeline",
     "07": "07_movm_register",
-    "08": "08_fused",
-    "09": "09_smem_diet",
+    "08": "08_segments",
+    "09": "09_fused",
+    "10": "10_smem_diet",
 }
 
 _CACHE: dict = {}

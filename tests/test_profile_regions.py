@@ -23,8 +23,9 @@ EXPECTED = {
     "05": K1 + ["K2: loads / barriers", "K2: w@S", "K2: qd@S + Aqk@vcorr", "K2: S update"],
     "06": K1 + K2_WS,
     "07": K1 + K2_WS,
-    "08": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
+    "08": K1 + K2_WS,
     "09": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
+    "10": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
 }
 
 

@@ -8,29 +8,59 @@ import pytest
 from common.stages import STAGE_DIRS, load_stage, stage_ids
 from common.paths import STAGES_DIR
 
-# stage.py constant -> the constexpr of kda.cu it mirrors
-MIRRORED = {"PREP_TEAMS": "kPrepTeams"}
+# stage.py constant -> the constexpr of the stage's sources it mirrors
+MIRRORED = {"PREP_TEAMS": "kPrepTeams", "SEGMENT_CHUNKS": "kSegmentChunks"}
+
+
+def _default_build(text: str) -> str:
+    """The text the default build compiles: the branches of `#ifdef KDA_*` (an
+    ablation's switch) dropped, their `#else` branches kept."""
+    out, stack = [], []  # stack: True where the current branch is an ablation's
+    for line in text.splitlines():
+        m = re.match(r"\s*#\s*(ifdef|ifndef|if|else|elif|endif)\b\s*(\S*)", line)
+        if m:
+            kw, arg = m.groups()
+            if kw in ("ifdef", "ifndef", "if"):
+                stack.append(kw == "ifdef" and arg.startswith("KDA_") and arg != "KDA_PROFILE")
+            elif kw in ("else", "elif") and stack:
+                stack[-1] = False
+            elif kw == "endif" and stack:
+                stack.pop()
+            continue
+        if not any(stack):
+            out.append(line)
+    return "\n".join(out)
+
+
+def _sources(sid) -> str:
+    d = STAGES_DIR / STAGE_DIRS[sid]
+    return "\n".join(_default_build(f.read_text()) for f in sorted(d.iterdir())
+                     if f.suffix in (".cu", ".cuh", ".h", ".cpp"))
 
 
 def _constexpr(sid, name):
-    src = (STAGES_DIR / STAGE_DIRS[sid] / "kda.cu").read_text()
-    found = re.findall(rf"constexpr\s+int\s+{name}\s*=\s*(\d+)\s*;", src)
-    assert len(found) == 1, f"stage {sid}'s kda.cu defines {name} {len(found)} times"
+    found = re.findall(rf"constexpr\s+(?:int|int64_t)\s+{name}\s*=\s*(\d+)\s*;", _sources(sid))
+    assert len(found) == 1, f"stage {sid}'s default build defines {name} {len(found)} times"
     return int(found[0])
 
 
 @pytest.mark.parametrize("sid", [s for s in stage_ids() if (STAGES_DIR / STAGE_DIRS[s] / "kda.cu").exists()])
 def test_stage_constants_equal_the_kernels(sid):
     stage = load_stage(sid)
+    src = _sources(sid)
     for const, cu in MIRRORED.items():
-        src = (STAGES_DIR / STAGE_DIRS[sid] / "kda.cu").read_text()
-        if hasattr(stage, const) or re.search(rf"constexpr\s+int\s+{cu}\b", src):
-            assert hasattr(stage, const), f"stage {sid}'s kda.cu has {cu} but its stage.py no {const}"
+        if hasattr(stage, const) or re.search(rf"constexpr\s+(?:int|int64_t)\s+{cu}\b", src):
+            assert hasattr(stage, const), f"stage {sid}'s sources have {cu} but its stage.py no {const}"
             assert getattr(stage, const) == _constexpr(sid, cu), (sid, const)
+
+
+def test_default_build_drops_an_ablation_branch():
+    text = "#ifdef KDA_ONE\nconstexpr int kX = 1;\n#else\nconstexpr int kX = 2;\n#endif\n#ifdef KDA_PROFILE\nkeep\n#endif"
+    assert _default_build(text).split() == ["constexpr", "int", "kX", "=", "2;", "keep"]
 
 
 def test_the_fused_stages_have_their_prepare_teams():
     from common import notebook
 
-    assert [s for s in stage_ids() if hasattr(load_stage(s), "PREP_TEAMS")] == ["08", "09"]
-    assert notebook.prep_teams() == load_stage("08").PREP_TEAMS == notebook.prep_teams("09")
+    assert [s for s in stage_ids() if hasattr(load_stage(s), "PREP_TEAMS")] == ["09", "10"]
+    assert notebook.prep_teams() == load_stage("09").PREP_TEAMS == notebook.prep_teams("10")

@@ -1,6 +1,6 @@
-"""Stage 09: stage 08 with less work around each MMA, forward only.
+"""Stage 10: stage 09 with less work around each MMA, forward only.
 
-Stage 08's fused kernel is bound by shared memory and by the instructions that
+Stage 09's fused kernel is bound by shared memory and by the instructions that
 move MMA operands (its SASS and Nsight Compute's counters). This stage keeps
 stage 08's paths, rule and segments and cuts that work: the chain's B fragments
 written as 32-bit words and its A fragments loaded by ldmatrix, the fused
@@ -14,6 +14,7 @@ the benchmark and the tests; ``frag_check`` is stage 07's fragment identity.
 from pathlib import Path
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -25,8 +26,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
-    name="09_smem_diet",
-    title="stage 08 with less work around each MMA: fragments by ldmatrix and as words, eight lanes per "
+    name="10_smem_diet",
+    title="stage 09 with less work around each MMA: fragments by ldmatrix and as words, eight lanes per "
           "token in the prepare, 16-byte decay loads; no setmaxnreg",
     devices=("cuda",),
     gates=("bounded",),
@@ -71,22 +72,20 @@ def build(profile=False, verbose=False, ablation=None):
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
     """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
-    _check_pinned(v)
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.run(build(), SPEC, c)
+    return extrun.run(build(), SPEC, c, path=_path_args(c.V))
 
 
 def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
             backward=False):
     """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
-    _check_pinned(v)
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.profile(build(profile=True), SPEC, c, backward=backward)
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=_path_args(c.V))
 
 
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
@@ -100,42 +99,52 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
          "fused8": (1, 8)}
 
 
+_PIN: ContextVar = ContextVar("path_pin", default=(None, None))  # (path name, segment_chunks) of ``path``
+
+
+def path_error(name, V):
+    """Why path ``name`` cannot run at value dimension V (None: it can)."""
+    if name is None:
+        return None
+    if name not in PATHS:
+        return f"path must be one of {', '.join(PATHS)} or None, got {name!r}"
+    ncw = PATHS[name][1]
+    if 16 * ncw > V:
+        return f"path {name!r} has {ncw} compute warps of 16 value columns: it needs V >= {16 * ncw}, got V = {V}"
+    return None
+
+
 @contextmanager
 def path(name=None, segment_chunks=None):
     """Pin the kernels of the calls inside the block: "split1"/"split2" (K1 + K2
     with 1 or 2 compute warps per K2 block) or "fused1"/"fused2"/"fused4"/"fused8"
     (the fused kernel with that many compute warps per block; fused8 needs
     K = V = 128); None keeps the stage's rule. A path that does not exist for
-    the sizes of a call raises at that call. ``segment_chunks`` sets how many
-    chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS), so
-    that the tests see many segments in a short sequence."""
+    the sizes of a call raises at that call (path_error). ``segment_chunks`` sets
+    how many chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS),
+    so that the tests see many segments in a short sequence. The pin is passed
+    to each call as an argument (nothing is stored in the extension)."""
     if name is not None and name not in PATHS:
-        raise ValueError(f"path must be one of {', '.join(PATHS)} or None, got {name!r}")
-    if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
+        raise ValueError(path_error(name, 0))
+    if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
+                                       or segment_chunks < 1):
         raise ValueError(f"segment_chunks must be a positive int or None, got {segment_chunks!r}")
-    global _PINNED
-    exts = (build(), build(profile=True))  # the timed build and the profile build each hold their own pin
-    fused, ncw = PATHS[name] if name is not None else (-1, 0)
-    for ext in exts:
-        ext.set_path(fused, ncw, segment_chunks or 0)
-    _PINNED = name
+    token = _PIN.set((name, segment_chunks))
     try:
         yield
     finally:
-        _PINNED = None
-        for ext in exts:
-            ext.set_path(-1, 0, 0)
+        _PIN.reset(token)
 
 
-_PINNED = None  # the path pinned by ``path``, checked against the sizes of each call
-
-
-def _check_pinned(v):
-    """A pinned path whose compute warps need more value columns than V has is
-    refused here, before the extension is called."""
-    if _PINNED is not None and 16 * PATHS[_PINNED][1] > v.shape[-1]:
-        raise ValueError(f"the pinned path {_PINNED!r} has {PATHS[_PINNED][1]} compute warps of 16 value columns: "
-                         f"it needs V >= {16 * PATHS[_PINNED][1]}, got V = {v.shape[-1]}")
+def _path_args(V) -> dict:
+    """The extension's path arguments for a call at value dimension V (refused here,
+    before the extension is called, when the pinned path cannot run)."""
+    name, segment_chunks = _PIN.get()
+    why = path_error(name, V)
+    if why is not None:
+        raise ValueError(why)
+    fused, ncw = PATHS[name] if name is not None else (-1, 0)
+    return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0)
 
 
 def frag_check(A, X):

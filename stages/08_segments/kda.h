@@ -1,8 +1,7 @@
 // kda.h -- parameters and launcher of the KDA chunked forward, stage 08:
 // stage 07 (BT = 16, bounded gate, bf16 tensor cores through CuTe, register-resident
-// recurrence) plus a fused path: one kernel prepares each chunk and runs the
-// recurrence on it in the same block, with no workspace (the rule's choice
-// when the heads fill about two thirds of the SMs, at V = 128).
+// recurrence) run in segments of the sequence, so that the workspace holds one
+// segment (at most kSegmentChunks chunks, binding.cpp) instead of the whole sequence.
 //
 // Plain C++/CUDA (no torch): binding.cpp fills the struct with device pointers
 // and calls the launcher, which returns the first CUDA error.
@@ -13,16 +12,13 @@
 //   NT = ceil(T / BT)                          chunks per (b, h)
 //   K = V, K in {64, 128}                      head dimensions (compile-time in kda.cu)
 // Inputs and o use the operator's layout ([B, T, H, *]) and are never read or
-// written at t >= T. The workspace has one slot per chunk ([BH, NT, ...]): the
+// written at t >= T. The workspace has one slot per chunk of a segment ([BH, NC, ...]): the
 // padded tokens of the last chunk exist only there, as k = q = v = 0, beta = 0
 // and gate a = 0, which leaves every real token's result unchanged.
 //
-// Forward only. Two paths (kda_fwd_plan picks one, the binding allocates what it needs):
-//   split: K1 prepares every chunk in parallel into the workspace, K2 runs the
-//          recurrence from it (stage 07);
-//   fused: one kernel, the prepare warps of a block feed the chunks to its
-//          compute warps through shared memory; the workspace pointers are unused.
-// No per-chunk state is written.
+// Forward only: the workspace holds what the recurrence (K2) needs of each
+// chunk of one segment, prepared by one fused kernel (K1); K2 carries the state
+// from one segment to the next through ht. No per-chunk state is written.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,15 +39,15 @@ enum KdaRegion {
   KDA_REG_K2_DECAY = 10,     // K2: S decay           (S *= exp(glast), registers)
   KDA_REG_K2_KV = 11,        // K2: kr^T@vcorr        (accumulated into S)
   KDA_REG_K2_SCOPY = 12,     // K2: S to bf16         (accumulator -> B fragment, movmatrix)
-  KDA_REG_K2L_WAIT_SLOT = 13,// K2 producer: wait (EMPTY[slot] mbarrier; fused: also the prepare warps' barrier)
-  KDA_REG_K2L_ISSUE = 14,    // K2 producer: issue loads (load warp: cp.async; fused: stage_rows + next chunk's loads)
+  KDA_REG_K2L_WAIT_SLOT = 13,// K2 load warp: wait for a free slot (EMPTY[slot] mbarrier)
+  KDA_REG_K2L_ISSUE = 14,    // K2 load warp: issue cp.async
 };
 
 struct KdaFwdParams {
   // ---- sizes ----
   int B, T, H, K, V;
   int NT;  // ceil(T / 16)
-  // ---- the split path runs in segments of the sequence: chunks n0 .. n0 + NC - 1 per K1 + K2 pair ----
+  // ---- the segment of the sequence this K1 + K2 pair runs: chunks n0 .. n0 + NC - 1 ----
   int n0;  // the segment's first chunk
   int NC;  // chunks in the segment (the workspace holds one segment: its chunk pitch)
   // ---- operator inputs (bf16 activations, fp32 parameters) ----
@@ -62,10 +58,11 @@ struct KdaFwdParams {
   const __nv_bfloat16* beta;  // [B, T, H]    raw beta logits
   const float* A_log;         // [H]
   const float* dt_bias;       // [H, K]
-  const float* h0;            // [B, H, K, V] initial state, or nullptr (zero state)
+  const float* h0;            // [B, H, K, V] initial state, or nullptr (zero state); segments after
+                              // the first: ht (K2 reads a block's columns before it writes them)
   float scale;
   float lower_bound;  // bounded gate: a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
-  // ---- workspace of the split path: written by K1, read by K2 (one slot per chunk) ----
+  // ---- workspace of one segment: written by K1, read by K2 (one slot per chunk) ----
   __nv_bfloat16* qd;   // [BH, NC, 16, K] scale * qn * exp(gc)       (A operand of qd @ S)
   __nv_bfloat16* w;    // [BH, NC, 16, K] Af @ kd                    (A operand of w @ S)
   __nv_bfloat16* krT;  // [BH, NC, K, 16] (kn * exp(glast - gc))^T   (A operand of kr^T @ vcorr)
@@ -78,27 +75,22 @@ struct KdaFwdParams {
   long long* prof;   // [slots >= max(BH * NT, BH * V / 16), KDA_MAX_REGIONS] int64 cycles, or nullptr
 };
 
-// Which kernels run: the fused kernel or K1 + K2, and the compute warps per
-// block (ncw: 16 value columns each; fused 1, 2, 4 or V/16, split 1 or 2).
+// K2's compute warps per block (ncw: 16 value columns each, 1 or 2).
 struct KdaPlan {
-  bool fused;
   int ncw;
 };
 
-// The plan for these sizes on the current device: want_fused < 0 picks by the
-// stage's rule (at V = 128: fused with 8 compute warps when 3 B*H >= 2 SMs,
-// fused with 4 when SMs <= 3 B*H and 2 B*H <= SMs; otherwise split, ncw = 2
-// when B*H*V/32 >= the number of SMs, else 1); want_fused 0/1 with want_ncw asks
-// for one path (cudaErrorInvalidValue if it does not exist). Sizes this stage
-// does not support: cudaErrorInvalidValue.
-cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan);
+// The plan for these sizes on the current device: want_ncw = 0 picks by the
+// stage's rule (ncw = 2 when B*H*V/32 >= the number of SMs, else 1); 1 or 2 asks
+// for that width. Sizes this stage does not support, or another width:
+// cudaErrorInvalidValue.
+cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_ncw, KdaPlan* plan);
 
-// Launch the plan on `stream`: split = K1 (grid BH * NT) then K2 (grid BH * V / (16 ncw));
-// fused = one kernel (grid BH * V / (16 ncw)). Returns cudaErrorInvalidValue for
-// sizes this stage does not support (K != V or K not in {64, 128}) or a split plan
-// without its workspace.
-// `kernels` picks the split path's kernels to launch (the binding runs K1 of one segment
-// on a side stream beside K2 of the previous one); the fused path ignores it.
+// Launch one segment (chunks p.n0 .. p.n0 + p.NC - 1) on `stream`: K1 (grid BH * NC)
+// then K2 (grid BH * V / (16 ncw)). `kernels` picks which of the two to launch (the
+// binding runs K1 of one segment on a side stream beside K2 of the previous one).
+// Returns cudaErrorInvalidValue for sizes this stage does not support (K != V or
+// K not in {64, 128}) or a segment outside the sequence.
 enum KdaKernels { KDA_LAUNCH_K1 = 1, KDA_LAUNCH_K2 = 2, KDA_LAUNCH_ALL = 3 };
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream,
                            int kernels = KDA_LAUNCH_ALL);

@@ -1,60 +1,49 @@
-// kda.cu -- stage 08: stage 07 plus a fused path that needs no workspace.
+// kda.cu -- stage 09: stage 08 plus a fused path that needs no workspace.
 //
-// Stage 07 runs two kernels: K1 prepares every chunk in parallel and writes
-// qd, w, kr^T, Aqk (bf16), u and exp(glast) (fp32) to a workspace in global
-// memory -- about 1.3 KB per token and head, twice the size of the inputs q, k,
-// v, g together -- and K2's load warps read it back, once per column slice.
-// At 8 x 1024 tokens x 64 heads that round trip is about 2 GB of traffic for
-// 0.7 GB of inputs and outputs.
+// Stage 08 runs two kernels per segment: K1 prepares every chunk in parallel
+// and writes qd, w, kr^T, Aqk (bf16), u and exp(glast) (fp32) to a workspace in
+// global memory -- about 1.3 KB per token and head, twice the size of the
+// inputs q, k, v, g together -- and K2's load warps read it back, once per
+// column slice. At 8 x 1024 tokens x 64 heads that round trip is about 2 GB of
+// traffic for 0.7 GB of inputs and outputs.
 //
-// What changes here:
+// What changes here (each idea has a switch, stage.py ABLATIONS):
 //
-//   * K1's body is cut into five phases (load_rows + stage_rows, decay_columns,
-//     products, invert, w_u), device functions that write through a pointer
-//     and a row pitch: K1 calls them with the dense global workspace, as before.
-//
-//   * kda_fused_kernel runs them in a loop: the block of one (b, h) has 4
-//     prepare warps and V/16 compute warps. The prepare warps take the place of
+//   * The fused kernel (KDA_NO_FUSED: the split path everywhere). K1's body is
+//     cut into five phases (load_rows + stage_rows, decay_columns, products,
+//     invert, w_u), device functions that write through a pointer and a row
+//     pitch: K1 calls them with the dense workspace, as before (bitwise).
+//     kda_fused_kernel runs them in a loop: the block of one (b, h) has 8
+//     prepare warps and NCW compute warps. The prepare warps take the place of
 //     K2's load warp: instead of copying chunk n from the workspace into a ring
 //     slot they COMPUTE it there, synchronised among themselves by a named
-//     barrier, and hand the slot over through the same FULL/EMPTY mbarriers.
-//     The compute warps run stage 07's recurrence (now recurrence_warp, shared
-//     by K2 and the fused kernel) unchanged.
-//
-//   * The global loads of the next chunks are issued before the prepare warps
-//     work on the current ones (load_rows only issues; the registers are read
-//     by the next stage_rows), so the stream of chunks does not stop for memory.
+//     barrier, and hand the slot over through the same FULL/EMPTY mbarriers
+//     (waited on with try_wait, which suspends a waiting thread instead of
+//     spinning beside the warps it waits for). The compute warps run the
+//     recurrence (now recurrence_warp, shared by K2 and the fused kernel)
+//     unchanged. The rule (kda_fwd_plan) takes it at V = 128 where its blocks
+//     fill the SMs, the split path elsewhere; the binding allocates the
+//     workspace only for the split path.
 //
 //   * The price: K1 prepared all chunks of all heads at once over every SM; in
 //     the fused kernel each block prepares its chunks one after the other, and
 //     the recurrence can go no faster than that stream. The prepare is a chain
-//     of short dependent steps, so what pays is latency hidden: fast
-//     approximations without slow-path branches (stage_rows<kFast>,
-//     decay_columns<kFast>), each phase's work interleaved in the source,
-//     every shared load of a phase before its stores, and two prepare teams of
-//     4 warps on alternate chunks (with 8 compute warps, setmaxnreg moves
-//     registers from the prepare warps to the compute warps: sm_90a). Measured
-//     on the H200 (docs/PERF_NOTES.md) it went from 1.4e4 to 4.9e3 cycles per
-//     chunk (3.6e3 with 4 compute warps), and the fused kernel is faster than
-//     K1 + K2 wherever its blocks fill the SMs: the stage's rule (kda_fwd_plan,
-//     see kda.h) takes it there, at V = 128, and the split path elsewhere. The
-//     binding allocates the workspace only for the split path.
+//     of short dependent steps, so what pays is latency hidden:
+//       - a fast prepare (kFastPrepare; KDA_NO_FAST_PREPARE): MUFU
+//         approximations without slow-path branches, the gate in log2 units,
+//         every shared load of a phase before its stores, each phase's rows
+//         written interleaved, beta kept in bf16 until every row is loaded;
+//       - two prepare teams of 4 warps on alternate chunks (kPrepTeams;
+//         KDA_ONE_PREP_TEAM), with 8 compute warps setmaxnreg moves registers
+//         from the prepare warps to the compute warps (sm_90a);
+//       - the next chunk's global loads issued before the current chunk's
+//         phases (kEarlyLoads; KDA_LATE_LOADS), so only the first chunk waits
+//         for memory.
 //
-//   * The split path's K2 is two compute warps wide as soon as those blocks
-//     cover the SMs once (stage 07 asked for twice), and K1 keeps each row's
-//     beta in its load register (see load_rows).
-//
-//   * Where the split path runs (few heads), its workspace is bounded too: the
-//     binding runs the sequence in segments of 64 chunks, K1 + K2 per segment
-//     (kda_fwd_launch's `kernels`), each K2 block starting from the state the
-//     last segment left in ht, with two workspace buffers so that K1 of the
-//     next segment runs on a side stream beside K2 of this one. The kernels
-//     take the segment's first chunk and length (p.n0, p.NC).
-//
-// Numerics: the split path has stage 07's roundings (bitwise equal outputs).
+// Numerics: the split path has stage 08's roundings (bitwise equal outputs).
 // The fused path's prepare uses ex2.approx, rcp.approx and rsqrt (MUFU, about
 // 2e-7 relative each before the bf16 rounding) where K1 has expf, IEEE
-// divisions and sqrt: its outputs differ from stage 07's by about 3e-4 relative,
+// divisions and sqrt: its outputs differ from stage 08's by about 3e-4 relative,
 // and not measurably against fp64. Both bitwise deterministic.
 
 #include <cuda_runtime.h>
@@ -950,8 +939,25 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
 // 4 warps, each team taking kPrepChunks chunks per step, and the ring depth: a
 // multiple of both, so that a step's chunks take neighbouring slots and the
 // teams' slots never meet.
+#ifdef KDA_ONE_PREP_TEAM
+constexpr int kPrepTeams = 1;  // ablation: one team of 4 warps prepares every chunk
+#else
 constexpr int kPrepTeams = 2;
+#endif
 constexpr int kPrepChunks = 1;
+// The fused prepare's arithmetic (stage_rows / decay_columns <kFast>) and where a team issues the
+// next chunk's global loads (kEarlyLoads: before the current chunk's phases); the ablations
+// KDA_NO_FAST_PREPARE and KDA_LATE_LOADS turn them off.
+#ifdef KDA_NO_FAST_PREPARE
+constexpr bool kFastPrepare = false;  // ablation: K1's arithmetic (expf, IEEE division, sqrt; one pass)
+#else
+constexpr bool kFastPrepare = true;
+#endif
+#ifdef KDA_LATE_LOADS
+constexpr bool kEarlyLoads = false;  // ablation: the next chunk's loads issued after this chunk's phases
+#else
+constexpr bool kEarlyLoads = true;
+#endif
 constexpr int kFusedStages = 2 * kPrepTeams * kPrepChunks;
 constexpr int kPrepThreads = kPrepTeams * kThreads;
 
@@ -1048,9 +1054,11 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
     for (int n = team * P; n < p.NT; n += kStride) {  // chunk n + x in slot (n + x) % kStages
       prep_sync(team);  // the team's last step is done with its scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      stage_rows<K, V, true, P>(scratch, p, gp, n, twarp, lane, raw);
+      stage_rows<K, V, kFastPrepare, P>(scratch, p, gp, n, twarp, lane, raw);
+      if constexpr (kEarlyLoads) {
 #pragma unroll
-      for (int x = 0; x < P; ++x) load_rows(p, b, h, n + kStride + x, twarp, lane, raw[x]);  // past T: zero rows
+        for (int x = 0; x < P; ++x) load_rows(p, b, h, n + kStride + x, twarp, lane, raw[x]);  // past T: zero rows
+      }
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
       // slot s is refilled once the compute warps released chunk m - kStages
 #pragma unroll
@@ -1071,7 +1079,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
           krT_out[x] = &st.krT[0][0];
           el_out[x] = st.el;
         }
-        decay_columns<K, V, K + kPad, BT + kPad, true, false, P>(scratch, p, tid, qd_out, krT_out, el_out);
+        decay_columns<K, V, K + kPad, BT + kPad, kFastPrepare, false, P>(scratch, p, tid, qd_out, krT_out, el_out);
       }
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
@@ -1095,6 +1103,10 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
 #pragma unroll
       for (int x = 0; x < P; ++x)
         if (n + x < p.NT) mbar_arrive(&sm.ring.full[(n + x) % kStages]);
+      if constexpr (!kEarlyLoads) {
+#pragma unroll
+        for (int x = 0; x < P; ++x) load_rows(p, b, h, n + kStride + x, twarp, lane, raw[x]);
+      }
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_WU, tp);
     }
     return;
@@ -1224,6 +1236,7 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   // path: two compute warps per K2 block as soon as those blocks still cover the
   // SMs once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
   // heads). docs/PERF_NOTES.md, results/h200/stage08/.
+#ifndef KDA_NO_FUSED  // (the ablation: the split path everywhere, as stage 08)
   if (p.V == 128 && 3 * bhs >= 2LL * sms) {
     *plan = KdaPlan{true, 8};
     return cudaSuccess;
@@ -1232,6 +1245,7 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
     *plan = KdaPlan{true, 4};
     return cudaSuccess;
   }
+#endif
   *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= sms ? 2 : 1};
   return cudaSuccess;
 }

@@ -1,4 +1,4 @@
-// binding.cpp -- torch binding of stage 08 (stage 07 + the fused path, forward only):
+// binding.cpp -- torch binding of stage 09 (stage 08's binding, forward only):
 // checks every tensor, plans the path (kda_fwd_plan), allocates the per-chunk
 // workspace on the input's device only for the split path (two segments of the
 // sequence), launches on the current stream (the split path's K1 on a side stream
@@ -10,9 +10,9 @@
 // [B, H, K, V] preallocated by the caller and completely overwritten.
 // Supported: gate_id 1 (bounded), chunk_size 16, K = V in {64, 128}.
 // There is no bwd: this stage is forward only.
-// set_path(fused, ncw, segment_chunks) pins the path of the next calls (fused -1: the
-// stage's rule) and the split path's segment length, for the benchmark that chose the
-// rule and for the tests of both paths.
+// fused, ncw and segment_chunks pin the path (fused -1: the stage's rule, kda_fwd_plan; 0
+// split, 1 fused, with ncw compute warps per block) and the split path's segment length (0:
+// kSegmentChunks): the benchmark that chose the rule and the tests of both paths pass them.
 #define KDA_WITH_TORCH
 #include "kda_cuda_check.h"
 
@@ -47,16 +47,6 @@ constexpr int64_t kVCols = 16;  // value columns per recurrence block, at the le
 // the next segment runs beside K2 of this one.
 constexpr int64_t kSegmentChunks = 64;
 
-// The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
-// an input whose data does not start on a 16-byte boundary (a view at an odd
-// offset) is copied once; the outputs come from the caller and must be aligned.
-// The path asked for by set_path (-1: kda_fwd_plan's rule).
-int g_want_fused = -1;
-int g_want_ncw = 0;
-// Chunks per segment of the split path asked for by set_path (0: kSegmentChunks); the tests and
-// the sanitizer run short sequences in many segments with it.
-int64_t g_segment_chunks = 0;
-
 // The events that order the split path's two streams (timing off: they only order), made once
 // per device and kept (no event is created while a CUDA graph is being captured). A wait takes
 // the event's last record at the time of the wait, so calls one after the other may reuse them.
@@ -77,6 +67,9 @@ const Events& events_of(int device) {
   return it->second;
 }
 
+// The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
+// an input whose data does not start on a 16-byte boundary (a view at an odd
+// offset) is copied once; the outputs come from the caller and must be aligned.
 torch::Tensor aligned(const torch::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
@@ -91,7 +84,8 @@ __nv_bfloat16* bptr_mut(torch::Tensor& t) { return reinterpret_cast<__nv_bfloat1
 
 void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
              torch::Tensor A_log, torch::Tensor dt_bias, OptTensor h0, double scale, int64_t gate_id,
-             double lower_bound, int64_t chunk_size, torch::Tensor o, torch::Tensor ht, OptTensor prof) {
+             double lower_bound, int64_t chunk_size, torch::Tensor o, torch::Tensor ht, OptTensor prof,
+             int64_t fused, int64_t ncw, int64_t segment_chunks) {
   // ---- sizes and scalars ----
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
@@ -110,11 +104,15 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   TORCH_CHECK(B * H * NT <= INT_MAX, "B * H * ceil(T / 16) too large: ", B * H * NT);
   TORCH_CHECK(B * H * (V / kVCols) <= INT_MAX, "B * H * V / 16 too large: ", B * H * (V / kVCols));
 
-  // the path pinned by set_path must exist for these sizes (stage.py checks it first)
-  TORCH_CHECK(g_want_fused != 1 || g_want_ncw * kVCols <= V, "the pinned path (set_path) has ", g_want_ncw,
-              " compute warps of 16 value columns: it needs V >= ", g_want_ncw * kVCols, ", got V = ", V);
-  TORCH_CHECK(g_want_fused != 0 || g_want_ncw <= 2, "the pinned split path (set_path) has 1 or 2 compute warps, got ",
-              g_want_ncw);
+  // the pinned path must exist for these sizes (stage.py's path_error says so first)
+  TORCH_CHECK(fused >= -1 && fused <= 1, "fused must be -1 (the rule), 0 (split) or 1 (fused), got ", fused);
+  TORCH_CHECK(fused == -1 || ncw == 1 || ncw == 2 || ncw == 4 || ncw == 8,
+              "ncw (compute warps per block) must be 1, 2, 4 or 8, got ", ncw);
+  TORCH_CHECK(fused != 1 || ncw * kVCols <= V, "the pinned path has ", ncw,
+              " compute warps of 16 value columns: it needs V >= ", ncw * kVCols, ", got V = ", V);
+  TORCH_CHECK(fused != 0 || ncw <= 2, "the pinned split path has 1 or 2 compute warps, got ", ncw);
+  TORCH_CHECK(segment_chunks >= 0 && segment_chunks <= INT_MAX, "segment_chunks must be >= 0 (0: the default of ",
+              kSegmentChunks, "), got ", segment_chunks);
 
   // ---- tensors ----
   check_tensor(q, "q", q, torch::kBFloat16);
@@ -168,13 +166,13 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
   KdaPlan plan{};
-  kda_check(kda_fwd_plan(p, g_want_fused, g_want_ncw, &plan), "kda forward plan");
+  kda_check(kda_fwd_plan(p, (int)fused, (int)ncw, &plan), "kda forward plan");
 
   // ---- workspace of the split path: one slot per chunk of a segment of the sequence (at most
   //      kSegmentChunks chunks), written by K1, read by K2 (see kda.h), in two buffers when there
   //      are several segments (K1 of segment i + 1 fills one while K2 of segment i reads the
   //      other); the fused path needs none ----
-  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, g_segment_chunks > 0 ? g_segment_chunks : kSegmentChunks);
+  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, segment_chunks > 0 ? segment_chunks : kSegmentChunks);
   const int64_t n_seg = (NT + NC - 1) / NC;
   const int64_t n_buf = plan.fused ? 0 : std::min<int64_t>(n_seg, 2);
   torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
@@ -255,21 +253,6 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   }
 }
 
-// Pin the path of the next forward calls: fused = -1 (the stage's rule), 0 (split:
-// K1 + K2 with ncw in {1, 2}) or 1 (fused with ncw in {1, 2, 4, V/16}); checked
-// against the sizes at the call. segment_chunks > 0 sets the split path's segment
-// length (0: kSegmentChunks).
-void kda_set_path(int64_t fused, int64_t ncw, int64_t segment_chunks) {
-  TORCH_CHECK(segment_chunks >= 0 && segment_chunks <= INT_MAX, "segment_chunks must be >= 0 (0: the default of ",
-              kSegmentChunks, "), got ", segment_chunks);
-  TORCH_CHECK(fused >= -1 && fused <= 1, "fused must be -1 (the rule), 0 (split) or 1 (fused), got ", fused);
-  TORCH_CHECK(fused == -1 || ncw == 1 || ncw == 2 || ncw == 4 || ncw == 8,
-              "ncw (compute warps per block) must be 1, 2, 4 or 8, got ", ncw);
-  g_want_fused = (int)fused;
-  g_want_ncw = (int)ncw;
-  g_segment_chunks = segment_chunks;
-}
-
 // out = A @ bf16(X) through the accumulator -> B-fragment transpose (kda.h).
 torch::Tensor kda_frag_check(torch::Tensor A, torch::Tensor X) {
   TORCH_CHECK(A.defined() && A.dim() == 2 && A.size(0) == 16, "A must be [16, kd], got ", A.sizes());
@@ -294,9 +277,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &kda_fwd, "KDA chunked forward of stage " KDA_STAGE,
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
         py::arg("dt_bias"), py::arg("h0"), py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"),
-        py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"));
-  m.def("set_path", &kda_set_path, "pin the path of the next calls: fused -1 (rule), 0 (split) or 1, and ncw",
-        py::arg("fused"), py::arg("ncw") = 0, py::arg("segment_chunks") = 0);
+        py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"), py::arg("fused") = -1,
+        py::arg("ncw") = 0, py::arg("segment_chunks") = 0);
   m.def("frag_check", &kda_frag_check, "A @ bf16(X) with X turned from an MMA accumulator into a B fragment by movmatrix",
         py::arg("A"), py::arg("X"));
 }

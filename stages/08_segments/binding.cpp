@@ -1,18 +1,17 @@
-// binding.cpp -- torch binding of stage 09 (stage 08's binding, forward only):
-// checks every tensor, plans the path (kda_fwd_plan), allocates the per-chunk
-// workspace on the input's device only for the split path (two segments of the
-// sequence), launches on the current stream (the split path's K1 on a side stream
-// joined before the call returns).
+// binding.cpp -- torch binding of stage 08 (stage 07 in segments of the sequence, forward only):
+// checks every tensor, allocates the workspace of two segments on the input's device,
+// launches each segment's K1 + K2 (K1 on a side stream one segment ahead, joined
+// before the call returns).
 //
 // fwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound,
-//     chunk_size, o, ht, prof?)
+//     chunk_size, o, ht, prof?, ncw = 0, segment_chunks = 0)
 // q, k, v, g, beta bf16; A_log, dt_bias, h0 fp32; o bf16 [B, T, H, V] and ht fp32
 // [B, H, K, V] preallocated by the caller and completely overwritten.
 // Supported: gate_id 1 (bounded), chunk_size 16, K = V in {64, 128}.
+// ncw pins K2's compute warps per block (0: the stage's rule, kda_fwd_plan; 1 or 2),
+// segment_chunks the segment length in chunks (0: kSegmentChunks): the benchmark that
+// chose the rule and the tests of many segments in a short sequence pass them.
 // There is no bwd: this stage is forward only.
-// set_path(fused, ncw, segment_chunks) pins the path of the next calls (fused -1: the
-// stage's rule) and the split path's segment length, for the benchmark that chose the
-// rule and for the tests of both paths.
 #define KDA_WITH_TORCH
 #include "kda_cuda_check.h"
 
@@ -41,25 +40,19 @@ using kda_binding::present;
 
 constexpr int64_t kChunk = 16;  // BT of this stage
 constexpr int64_t kVCols = 16;  // value columns per recurrence block, at the least
-// The split path runs the sequence in segments of at most this many chunks (1024 tokens), its
-// workspace two segments' worth (about 2.7 MB per head at K = V = 128) where the whole sequence's
-// needs 1.3 KB per token and head. Each further segment costs one more K1 and K2 launch; K1 of
-// the next segment runs beside K2 of this one.
+
+// The sequence runs in segments of at most this many chunks (1024 tokens), the workspace two
+// segments' worth (about 2.7 MB per head at K = V = 128) where the whole sequence's needs 1.3 KB
+// per token and head. Each further segment costs one more K1 and K2 launch; K1 of the next
+// segment runs beside K2 of this one.
+#ifdef KDA_NO_SEGMENTS
+constexpr int64_t kSegmentChunks = INT_MAX;  // ablation: one segment, the whole sequence (stage 07)
+#else
 constexpr int64_t kSegmentChunks = 64;
-
-// The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
-// an input whose data does not start on a 16-byte boundary (a view at an odd
-// offset) is copied once; the outputs come from the caller and must be aligned.
-// The path asked for by set_path (-1: kda_fwd_plan's rule).
-int g_want_fused = -1;
-int g_want_ncw = 0;
-// Chunks per segment of the split path asked for by set_path (0: kSegmentChunks); the tests and
-// the sanitizer run short sequences in many segments with it.
-int64_t g_segment_chunks = 0;
-
-// The events that order the split path's two streams (timing off: they only order), made once
-// per device and kept (no event is created while a CUDA graph is being captured). A wait takes
-// the event's last record at the time of the wait, so calls one after the other may reuse them.
+#endif
+// The events that order the two streams (timing off: they only order), made once per device and
+// kept (no event is created while a CUDA graph is being captured). A wait takes the event's last
+// record at the time of the wait, so calls one after the other may reuse them.
 struct Events {
   cudaEvent_t fork{}, k1_done[2]{}, k2_done[2]{};
 };
@@ -77,6 +70,9 @@ const Events& events_of(int device) {
   return it->second;
 }
 
+// The kernels read rows of q, k, v, g, h0 and write o, ht in 4- to 16-byte vectors:
+// an input whose data does not start on a 16-byte boundary (a view at an odd
+// offset) is copied once; the outputs come from the caller and must be aligned.
 torch::Tensor aligned(const torch::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
 }
@@ -91,7 +87,8 @@ __nv_bfloat16* bptr_mut(torch::Tensor& t) { return reinterpret_cast<__nv_bfloat1
 
 void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
              torch::Tensor A_log, torch::Tensor dt_bias, OptTensor h0, double scale, int64_t gate_id,
-             double lower_bound, int64_t chunk_size, torch::Tensor o, torch::Tensor ht, OptTensor prof) {
+             double lower_bound, int64_t chunk_size, torch::Tensor o, torch::Tensor ht, OptTensor prof,
+             int64_t ncw, int64_t segment_chunks) {
   // ---- sizes and scalars ----
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
@@ -110,11 +107,10 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   TORCH_CHECK(B * H * NT <= INT_MAX, "B * H * ceil(T / 16) too large: ", B * H * NT);
   TORCH_CHECK(B * H * (V / kVCols) <= INT_MAX, "B * H * V / 16 too large: ", B * H * (V / kVCols));
 
-  // the path pinned by set_path must exist for these sizes (stage.py checks it first)
-  TORCH_CHECK(g_want_fused != 1 || g_want_ncw * kVCols <= V, "the pinned path (set_path) has ", g_want_ncw,
-              " compute warps of 16 value columns: it needs V >= ", g_want_ncw * kVCols, ", got V = ", V);
-  TORCH_CHECK(g_want_fused != 0 || g_want_ncw <= 2, "the pinned split path (set_path) has 1 or 2 compute warps, got ",
-              g_want_ncw);
+  // the pinned width and segment length (stage.py's path_error checks the width first)
+  TORCH_CHECK(ncw >= 0 && ncw <= 2, "ncw (K2's compute warps per block) must be 0 (the rule), 1 or 2, got ", ncw);
+  TORCH_CHECK(segment_chunks >= 0 && segment_chunks <= INT_MAX, "segment_chunks must be >= 0 (0: the default of ",
+              kSegmentChunks, "), got ", segment_chunks);
 
   // ---- tensors ----
   check_tensor(q, "q", q, torch::kBFloat16);
@@ -150,6 +146,22 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   const c10::cuda::CUDAGuard device_guard(q.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
+  // ---- workspace: one slot per chunk of a segment (at most kSegmentChunks chunks), written by
+  //      K1, read by K2 (see kda.h), in two buffers when there are several segments (K1 of
+  //      segment i + 1 fills one while K2 of segment i reads the other) ----
+  const int64_t BH = B * H;
+  const int64_t NC = std::min<int64_t>(NT, segment_chunks > 0 ? segment_chunks : kSegmentChunks);
+  const int64_t n_seg = (NT + NC - 1) / NC;
+  const int64_t n_buf = std::min<int64_t>(n_seg, 2);
+  const auto bf = q.options().dtype(torch::kBFloat16);
+  const auto f32 = q.options().dtype(torch::kFloat32);
+  torch::Tensor ws_qd = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
+  torch::Tensor ws_w = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
+  torch::Tensor ws_krT = torch::empty({n_buf, BH, NC, K, kChunk}, bf);
+  torch::Tensor ws_Aqk = torch::empty({n_buf, BH, NC, kChunk, kChunk}, bf);
+  torch::Tensor ws_u = torch::empty({n_buf, BH, NC, kChunk, V}, f32);
+  torch::Tensor ws_el = torch::empty({n_buf, BH, NC, K}, f32);
+
   KdaFwdParams p{};
   p.B = (int)B;
   p.T = (int)T;
@@ -167,28 +179,6 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.h0 = present(h0) ? h0->data_ptr<float>() : nullptr;
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
-  KdaPlan plan{};
-  kda_check(kda_fwd_plan(p, g_want_fused, g_want_ncw, &plan), "kda forward plan");
-
-  // ---- workspace of the split path: one slot per chunk of a segment of the sequence (at most
-  //      kSegmentChunks chunks), written by K1, read by K2 (see kda.h), in two buffers when there
-  //      are several segments (K1 of segment i + 1 fills one while K2 of segment i reads the
-  //      other); the fused path needs none ----
-  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, g_segment_chunks > 0 ? g_segment_chunks : kSegmentChunks);
-  const int64_t n_seg = (NT + NC - 1) / NC;
-  const int64_t n_buf = plan.fused ? 0 : std::min<int64_t>(n_seg, 2);
-  torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
-  if (!plan.fused) {
-    const int64_t BH = B * H;
-    const auto bf = q.options().dtype(torch::kBFloat16);
-    const auto f32 = q.options().dtype(torch::kFloat32);
-    ws_qd = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
-    ws_w = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
-    ws_krT = torch::empty({n_buf, BH, NC, K, kChunk}, bf);
-    ws_Aqk = torch::empty({n_buf, BH, NC, kChunk, kChunk}, bf);
-    ws_u = torch::empty({n_buf, BH, NC, kChunk, V}, f32);
-    ws_el = torch::empty({n_buf, BH, NC, K}, f32);
-  }
   // the workspace pointers of buffer i
   auto use_buffer = [&](int64_t i) {
     torch::Tensor qd = ws_qd[i], w = ws_w[i], krT = ws_krT[i], Aqk = ws_Aqk[i];
@@ -207,7 +197,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   // K2 one per (b, h, column slice) (at most B*H*V/16 blocks)
   if (present(prof)) {
     check_tensor(*prof, "prof", q, torch::kInt64);
-    const int64_t need = std::max(B * H * NT, B * H * (V / kVCols));
+    const int64_t need = std::max(BH * NT, BH * (V / kVCols));
     TORCH_CHECK(prof->dim() == 2 && prof->size(1) == KDA_MAX_REGIONS && prof->size(0) >= need,
                 "prof must be int64 [slots >= ", need, ", ", KDA_MAX_REGIONS, "], got ", prof->sizes());
     p.prof = reinterpret_cast<long long*>(prof->data_ptr<int64_t>());
@@ -215,17 +205,13 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 #else
   (void)prof;
 #endif
+  KdaPlan plan{};
+  kda_check(kda_fwd_plan(p, (int)ncw, &plan), "kda forward plan");
   kda_launch_log().clear();
-  if (plan.fused) {  // one launch over the whole sequence
-    p.n0 = 0;
-    p.NC = (int)NT;
-    kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
-    return;
-  }
-  // The split path segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1, each K2 block
-  // starting from the state the previous segment left in ht (its own columns: it reads them
-  // before it writes them). With several segments K1 runs on a side stream, one segment ahead:
-  // K1 of segment i + 1 beside K2 of segment i, on the SMs K2's few blocks leave idle.
+  // Segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1, each K2 block starting from
+  // the state the previous segment left in ht (its own columns: it reads them before it
+  // writes them). With several segments K1 runs on a side stream, one segment ahead: K1 of
+  // segment i + 1 beside K2 of segment i, on the SMs K2's few blocks leave idle.
   //   side: K1(i) into buffer i % 2, after K2(i - 2) has read that buffer
   //   main: K2(i) after K1(i); main waits for side's last K1, so nothing outlives the call
   const float* h0_user = p.h0;
@@ -236,38 +222,27 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
     kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
     return;
   }
-  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, q.device().index());
+#ifdef KDA_ONE_STREAM
+  const cudaStream_t side = stream;  // ablation: every K1 and K2 in turn on the call's stream
+#else
+  const cudaStream_t side = c10::cuda::getStreamFromPool(false, q.device().index()).stream();
+#endif
   const Events& ev = events_of(q.device().index());  // fork, k1_done[2], k2_done[2]
   C10_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.fork, 0));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(side, ev.fork, 0));
   for (int64_t i = 0; i < n_seg; ++i) {
     const int64_t buf = i % 2;
     use_buffer(buf);
     p.n0 = (int)(i * NC);
     p.NC = (int)std::min<int64_t>(NC, NT - i * NC);
     p.h0 = i == 0 ? h0_user : p.ht;
-    if (i >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.k2_done[buf], 0));
-    kda_check(kda_fwd_launch(p, plan, side.stream(), KDA_LAUNCH_K1), "kda forward (K1)");
-    C10_CUDA_CHECK(cudaEventRecord(ev.k1_done[buf], side.stream()));
+    if (i >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(side, ev.k2_done[buf], 0));
+    kda_check(kda_fwd_launch(p, plan, side, KDA_LAUNCH_K1), "kda forward (K1)");
+    C10_CUDA_CHECK(cudaEventRecord(ev.k1_done[buf], side));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.k1_done[buf], 0));
     kda_check(kda_fwd_launch(p, plan, stream, KDA_LAUNCH_K2), "kda forward (K2)");
     C10_CUDA_CHECK(cudaEventRecord(ev.k2_done[buf], stream));
   }
-}
-
-// Pin the path of the next forward calls: fused = -1 (the stage's rule), 0 (split:
-// K1 + K2 with ncw in {1, 2}) or 1 (fused with ncw in {1, 2, 4, V/16}); checked
-// against the sizes at the call. segment_chunks > 0 sets the split path's segment
-// length (0: kSegmentChunks).
-void kda_set_path(int64_t fused, int64_t ncw, int64_t segment_chunks) {
-  TORCH_CHECK(segment_chunks >= 0 && segment_chunks <= INT_MAX, "segment_chunks must be >= 0 (0: the default of ",
-              kSegmentChunks, "), got ", segment_chunks);
-  TORCH_CHECK(fused >= -1 && fused <= 1, "fused must be -1 (the rule), 0 (split) or 1 (fused), got ", fused);
-  TORCH_CHECK(fused == -1 || ncw == 1 || ncw == 2 || ncw == 4 || ncw == 8,
-              "ncw (compute warps per block) must be 1, 2, 4 or 8, got ", ncw);
-  g_want_fused = (int)fused;
-  g_want_ncw = (int)ncw;
-  g_segment_chunks = segment_chunks;
 }
 
 // out = A @ bf16(X) through the accumulator -> B-fragment transpose (kda.h).
@@ -294,9 +269,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &kda_fwd, "KDA chunked forward of stage " KDA_STAGE,
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
         py::arg("dt_bias"), py::arg("h0"), py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"),
-        py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"));
-  m.def("set_path", &kda_set_path, "pin the path of the next calls: fused -1 (rule), 0 (split) or 1, and ncw",
-        py::arg("fused"), py::arg("ncw") = 0, py::arg("segment_chunks") = 0);
+        py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"), py::arg("ncw") = 0,
+        py::arg("segment_chunks") = 0);
   m.def("frag_check", &kda_frag_check, "A @ bf16(X) with X turned from an MMA accumulator into a B fragment by movmatrix",
         py::arg("A"), py::arg("X"));
 }

@@ -1,40 +1,37 @@
-"""Stage 08: stage 07 plus a fused path, forward only.
+"""Stage 09: stage 08 plus a fused path, forward only.
 
 The fused path is one kernel: in each block eight prepare warps run K1's
 phases chunk after chunk into a shared-memory ring and the compute warps run
-stage 07's register-resident recurrence on it. The per-chunk workspace (about
-1.3 KB per token and head, written once and read back by every column slice)
-disappears, and with it most of the peak memory. Its prepare warps are two
-teams on alternate chunks, with fast approximations and their work
-interleaved, so that they keep pace with the recurrence; with eight compute
-warps setmaxnreg moves registers from the prepare warps to them, so the stage
-builds for sm_90a on the H200. The stage's rule (measured on the H200), at V = 128: the fused kernel
-with eight compute warps once B*H fills about two thirds of the SMs, with four
-(two blocks per head) where those blocks fill one to two thirds; otherwise
-stage 07's split path (K1 chunk-parallel over every SM, then K2), two compute
-warps per K2 block once B*H*V/32 covers the SMs, run in segments of
-SEGMENT_CHUNKS chunks so that its workspace is bounded too (K1 of the next
-segment beside K2 of this one). ``path`` pins one path for the benchmark and
-the tests; ``frag_check`` is stage 07's fragment identity.
+the register-resident recurrence on it. The per-chunk workspace (about 1.3 KB
+per token and head, written once and read back by every column slice)
+disappears, and with it most of the peak memory. Its ideas, each with a switch
+(ABLATIONS): the fused kernel and the rule that picks it (at V = 128, where its
+blocks fill the SMs; elsewhere stage 08's split path in segments), a fast
+prepare (MUFU approximations, loads before stores), two prepare teams on
+alternate chunks (with eight compute warps setmaxnreg moves registers to the
+compute warps, so the stage builds for sm_90a on the H200), and the next
+chunk's loads issued early. ``path`` pins one path for the benchmark and the
+tests; ``frag_check`` is stage 07's fragment identity.
 """
 
 from pathlib import Path
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, ablation_build_args, prepare
+from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
 SPEC = StageSpec(
-    name="08_fused",
-    title="stage 07 + a fused path (the prepare streams into the recurrence's block, no workspace), "
-          "taken where the heads fill the SMs; elsewhere the split path in segments (a bounded workspace)",
+    name="09_fused",
+    title="stage 08 + a fused path: the prepare streams into the recurrence's block, no workspace, "
+          "taken where the heads fill the SMs",
     devices=("cuda",),
     gates=("bounded",),
     chunk_sizes=(16,),
@@ -56,7 +53,24 @@ SPEC = StageSpec(
 )
 
 # The ideas of this stage that can be turned off one at a time (common/ablation.py).
-ABLATIONS = ()
+ABLATIONS = (
+    Ablation(name="no_fused", define="KDA_NO_FUSED",
+             idea="the fused kernel: the prepare computed into the recurrence's ring, no workspace",
+             instead="the split path at every shape (K1 + K2 in segments, stage 08)",
+             region="K2: wait for operands"),
+    Ablation(name="no_fast_prepare", define="KDA_NO_FAST_PREPARE",
+             idea="a fast prepare: MUFU approximations, the gate in log2 units, loads before stores",
+             instead="K1's arithmetic (expf, IEEE divisions, sqrt) and its one-pass loops",
+             region="K1: load+pre-stage"),
+    Ablation(name="one_prep_team", define="KDA_ONE_PREP_TEAM",
+             idea="two prepare teams of four warps on alternate chunks",
+             instead="one team of four warps prepares every chunk",
+             region="K2 producer: wait (free slot, barrier)"),
+    Ablation(name="late_loads", define="KDA_LATE_LOADS",
+             idea="the next chunk's global loads issued before this chunk's phases",
+             instead="issued after this chunk's phases",
+             region="K2 producer: issue loads (+ stage rows, fused)"),
+)
 
 
 # CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
@@ -79,22 +93,20 @@ def build(profile=False, verbose=False, ablation=None):
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
     """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
-    _check_pinned(v)
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.run(build(), SPEC, c)
+    return extrun.run(build(), SPEC, c, path=_path_args(c.V))
 
 
 def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
             backward=False):
     """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
-    _check_pinned(v)
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.profile(build(profile=True), SPEC, c, backward=backward)
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=_path_args(c.V))
 
 
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
@@ -108,42 +120,52 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
          "fused8": (1, 8)}
 
 
+_PIN: ContextVar = ContextVar("path_pin", default=(None, None))  # (path name, segment_chunks) of ``path``
+
+
+def path_error(name, V):
+    """Why path ``name`` cannot run at value dimension V (None: it can)."""
+    if name is None:
+        return None
+    if name not in PATHS:
+        return f"path must be one of {', '.join(PATHS)} or None, got {name!r}"
+    ncw = PATHS[name][1]
+    if 16 * ncw > V:
+        return f"path {name!r} has {ncw} compute warps of 16 value columns: it needs V >= {16 * ncw}, got V = {V}"
+    return None
+
+
 @contextmanager
 def path(name=None, segment_chunks=None):
     """Pin the kernels of the calls inside the block: "split1"/"split2" (K1 + K2
     with 1 or 2 compute warps per K2 block) or "fused1"/"fused2"/"fused4"/"fused8"
     (the fused kernel with that many compute warps per block; fused8 needs
     K = V = 128); None keeps the stage's rule. A path that does not exist for
-    the sizes of a call raises at that call. ``segment_chunks`` sets how many
-    chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS), so
-    that the tests see many segments in a short sequence."""
+    the sizes of a call raises at that call (path_error). ``segment_chunks`` sets
+    how many chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS),
+    so that the tests see many segments in a short sequence. The pin is passed
+    to each call as an argument (nothing is stored in the extension)."""
     if name is not None and name not in PATHS:
-        raise ValueError(f"path must be one of {', '.join(PATHS)} or None, got {name!r}")
-    if segment_chunks is not None and (not isinstance(segment_chunks, int) or segment_chunks < 1):
+        raise ValueError(path_error(name, 0))
+    if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
+                                       or segment_chunks < 1):
         raise ValueError(f"segment_chunks must be a positive int or None, got {segment_chunks!r}")
-    global _PINNED
-    exts = (build(), build(profile=True))  # the timed build and the profile build each hold their own pin
-    fused, ncw = PATHS[name] if name is not None else (-1, 0)
-    for ext in exts:
-        ext.set_path(fused, ncw, segment_chunks or 0)
-    _PINNED = name
+    token = _PIN.set((name, segment_chunks))
     try:
         yield
     finally:
-        _PINNED = None
-        for ext in exts:
-            ext.set_path(-1, 0, 0)
+        _PIN.reset(token)
 
 
-_PINNED = None  # the path pinned by ``path``, checked against the sizes of each call
-
-
-def _check_pinned(v):
-    """A pinned path whose compute warps need more value columns than V has is
-    refused here, before the extension is called."""
-    if _PINNED is not None and 16 * PATHS[_PINNED][1] > v.shape[-1]:
-        raise ValueError(f"the pinned path {_PINNED!r} has {PATHS[_PINNED][1]} compute warps of 16 value columns: "
-                         f"it needs V >= {16 * PATHS[_PINNED][1]}, got V = {v.shape[-1]}")
+def _path_args(V) -> dict:
+    """The extension's path arguments for a call at value dimension V (refused here,
+    before the extension is called, when the pinned path cannot run)."""
+    name, segment_chunks = _PIN.get()
+    why = path_error(name, V)
+    if why is not None:
+        raise ValueError(why)
+    fused, ncw = PATHS[name] if name is not None else (-1, 0)
+    return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0)
 
 
 def frag_check(A, X):

@@ -1,0 +1,109 @@
+// kda.h -- parameters and launcher of the KDA chunked forward, stage 09:
+// stage 08 (BT = 16, bounded gate, bf16 tensor cores through CuTe, register-resident
+// recurrence, in segments) plus a fused path: one kernel prepares each chunk and runs the
+// recurrence on it in the same block, with no workspace (the rule's choice
+// when the heads fill about two thirds of the SMs, at V = 128).
+//
+// Plain C++/CUDA (no torch): binding.cpp fills the struct with device pointers
+// and calls the launcher, which returns the first CUDA error.
+//
+// Conventions (every array is contiguous, row-major):
+//   BT = 16                                    tokens per chunk (fixed in this stage)
+//   BH = B * H, bh = b * H + h                 one (batch, head) pair
+//   NT = ceil(T / BT)                          chunks per (b, h)
+//   K = V, K in {64, 128}                      head dimensions (compile-time in kda.cu)
+// Inputs and o use the operator's layout ([B, T, H, *]) and are never read or
+// written at t >= T. The workspace has one slot per chunk ([BH, NT, ...]): the
+// padded tokens of the last chunk exist only there, as k = q = v = 0, beta = 0
+// and gate a = 0, which leaves every real token's result unchanged.
+//
+// Forward only. Two paths (kda_fwd_plan picks one, the binding allocates what it needs):
+//   split: K1 prepares every chunk in parallel into the workspace, K2 runs the
+//          recurrence from it (stage 07);
+//   fused: one kernel, the prepare warps of a block feed the chunks to its
+//          compute warps through shared memory; the workspace pointers are unused.
+// No per-chunk state is written.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+// Profile region ids (indices of SPEC.regions in stage.py).
+enum KdaRegion {
+  KDA_REG_K1_PRE = 0,        // K1: load+pre-stage   (l2norm, gate, cumsum, exp; qd/kr^T/exp(glast) out)
+  KDA_REG_K1_PRODUCTS = 1,   // K1: L/Aqk products    (kd @ ki^T, qd @ ki^T on tensor cores)
+  KDA_REG_K1_INVERSE = 2,    // K1: inverse           ((I + L)^-1 in registers, Af)
+  KDA_REG_K1_WU = 3,         // K1: w/u + store       (Af @ kd, Af @ v on tensor cores)
+  KDA_REG_K2_WAIT = 4,       // K2: wait for operands (compute warps at FULL[slot])
+  KDA_REG_K2_WS = 5,         // K2: w@S
+  KDA_REG_K2_QS = 6,         // K2: qd@S              (issued right after w@S: both read only S)
+  KDA_REG_K2_VCORR = 7,      // K2: vcorr             (u - w@S in the accumulator, movmatrix to B)
+  KDA_REG_K2_AV = 8,         // K2: Aqk@vcorr
+  KDA_REG_K2_OSTORE = 9,     // K2: o store           (bf16x2 to global)
+  KDA_REG_K2_DECAY = 10,     // K2: S decay           (S *= exp(glast), registers)
+  KDA_REG_K2_KV = 11,        // K2: kr^T@vcorr        (accumulated into S)
+  KDA_REG_K2_SCOPY = 12,     // K2: S to bf16         (accumulator -> B fragment, movmatrix)
+  KDA_REG_K2L_WAIT_SLOT = 13,// K2 producer: wait (EMPTY[slot] mbarrier; fused: also the prepare warps' barrier)
+  KDA_REG_K2L_ISSUE = 14,    // K2 producer: issue loads (load warp: cp.async; fused: stage_rows + next chunk's loads)
+};
+
+struct KdaFwdParams {
+  // ---- sizes ----
+  int B, T, H, K, V;
+  int NT;  // ceil(T / 16)
+  // ---- the split path runs in segments of the sequence: chunks n0 .. n0 + NC - 1 per K1 + K2 pair ----
+  int n0;  // the segment's first chunk
+  int NC;  // chunks in the segment (the workspace holds one segment: its chunk pitch)
+  // ---- operator inputs (bf16 activations, fp32 parameters) ----
+  const __nv_bfloat16* q;     // [B, T, H, K] raw queries
+  const __nv_bfloat16* k;     // [B, T, H, K] raw keys
+  const __nv_bfloat16* v;     // [B, T, H, V]
+  const __nv_bfloat16* g;     // [B, T, H, K] raw gate input
+  const __nv_bfloat16* beta;  // [B, T, H]    raw beta logits
+  const float* A_log;         // [H]
+  const float* dt_bias;       // [H, K]
+  const float* h0;            // [B, H, K, V] initial state, or nullptr (zero state)
+  float scale;
+  float lower_bound;  // bounded gate: a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+  // ---- workspace of the split path: written by K1, read by K2 (one slot per chunk) ----
+  __nv_bfloat16* qd;   // [BH, NC, 16, K] scale * qn * exp(gc)       (A operand of qd @ S)
+  __nv_bfloat16* w;    // [BH, NC, 16, K] Af @ kd                    (A operand of w @ S)
+  __nv_bfloat16* krT;  // [BH, NC, K, 16] (kn * exp(glast - gc))^T   (A operand of kr^T @ vcorr)
+  __nv_bfloat16* Aqk;  // [BH, NC, 16, 16] lower_incl_diag(qd @ ki^T) (A operand of Aqk @ vcorr)
+  float* u;            // [BH, NC, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand)
+  float* el;           // [BH, NC, K]     exp(glast)
+  // ---- outputs ----
+  __nv_bfloat16* o;  // [B, T, H, V]
+  float* ht;         // [B, H, K, V] final state
+  long long* prof;   // [slots >= max(BH * NT, BH * V / 16), KDA_MAX_REGIONS] int64 cycles, or nullptr
+};
+
+// Which kernels run: the fused kernel or K1 + K2, and the compute warps per
+// block (ncw: 16 value columns each; fused 1, 2, 4 or V/16, split 1 or 2).
+struct KdaPlan {
+  bool fused;
+  int ncw;
+};
+
+// The plan for these sizes on the current device: want_fused < 0 picks by the
+// stage's rule (at V = 128: fused with 8 compute warps when 3 B*H >= 2 SMs,
+// fused with 4 when SMs <= 3 B*H and 2 B*H <= SMs; otherwise split, ncw = 2
+// when B*H*V/32 >= the number of SMs, else 1); want_fused 0/1 with want_ncw asks
+// for one path (cudaErrorInvalidValue if it does not exist). Sizes this stage
+// does not support: cudaErrorInvalidValue.
+cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan);
+
+// Launch the plan on `stream`: split = K1 (grid BH * NT) then K2 (grid BH * V / (16 ncw));
+// fused = one kernel (grid BH * V / (16 ncw)). Returns cudaErrorInvalidValue for
+// sizes this stage does not support (K != V or K not in {64, 128}) or a split plan
+// without its workspace.
+// `kernels` picks the split path's kernels to launch (the binding runs K1 of one segment
+// on a side stream beside K2 of the previous one); the fused path ignores it.
+enum KdaKernels { KDA_LAUNCH_K1 = 1, KDA_LAUNCH_K2 = 2, KDA_LAUNCH_ALL = 3 };
+cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream,
+                           int kernels = KDA_LAUNCH_ALL);
+
+// The fragment identity of this stage, for the tests: out[16, 16] = A[16, kd] @ bf16(X[kd, 16])
+// computed by one warp with X loaded as an MMA accumulator and turned into the B
+// operand by movmatrix. kd in {16, 64, 128}; row-major device arrays.
+cudaError_t kda_frag_check_launch(const __nv_bfloat16* A, const float* X, float* out, int kd, cudaStream_t stream);
