@@ -85,9 +85,11 @@ def newest_anchor():
 # (the same kernels: only the rule differed), with the path and shape whose
 # timeline the stage's notebook shows (common.notebook.fused_profile).
 PATHS_RECORDED = {
-    "09": dict(table="stage09/paths_d91b051", profile="stage09/paths_d91b051",
+    "08": dict(table="stage08/paths_04c36d6", profile="stage08/paths_04c36d6",
+               profile_path="split1", profile_shape=dict(B=1, T=32768, H=16, K=128, V=128)),
+    "09": dict(table="stage09/paths_04c36d6", profile="stage09/paths_04c36d6",
                profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
-    "10": dict(table="stage10/paths_d91b051", profile="stage10/paths_d91b051",
+    "10": dict(table="stage10/paths_04c36d6", profile="stage10/paths_04c36d6",
                profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
 }
 
