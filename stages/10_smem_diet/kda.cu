@@ -72,10 +72,72 @@ using MmaAtom = MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>;
 // 4 warps side by side along N: one step of the tiled MMA covers a 16 x 32 x 16
 // tile; larger M or N repeat it (MMA_M, MMA_N modes). 128 threads. (K1's w and u.)
 using TiledMma4 = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_1, _4, _1>>{}));
-// 2 warps along N: a 16 x 16 x 16 tile, 64 threads (the two 16 x 16 products of K1).
-using TiledMma2 = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_1, _2, _1>>{}));
 // One warp on its own (K2's compute warps): a 16 x 8 x 16 step, repeated over M, N, K.
 using WarpMma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_1, _1, _1>>{}));
+
+// A shared-memory view of a row-major tile: shape (ROWS, COLS), rows LD elements apart.
+template <int ROWS, int COLS, int LD, class T>
+__device__ __forceinline__ auto smem_rows(T* ptr) {
+  return make_tensor(make_smem_ptr(ptr),
+                     make_layout(make_shape(Int<ROWS>{}, Int<COLS>{}), make_stride(Int<LD>{}, _1{})));
+}
+
+// The transposed view of the same tile: shape (COLS, ROWS), element (j, i) = ptr[i * LD + j].
+template <int ROWS, int COLS, int LD, class T>
+__device__ __forceinline__ auto smem_cols(T* ptr) {
+  return make_tensor(make_smem_ptr(ptr),
+                     make_layout(make_shape(Int<COLS>{}, Int<ROWS>{}), make_stride(_1{}, Int<LD>{})));
+}
+
+// N contiguous elements between global/shared memory and registers as ONE vector
+// access (N * sizeof(T) must be 4, 8 or 16 bytes; the address aligned to it).
+template <int N, class T>
+struct VecBytes {
+  static constexpr int kBytes = N * (int)sizeof(T);
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "4-, 8- or 16-byte vectors");
+  using type = std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 8, uint2, uint4>>;
+};
+template <int N, class T>
+__device__ __forceinline__ void load_vec(const T* src, T (&dst)[N]) {
+  using Vec = typename VecBytes<N, T>::type;
+  const Vec x = *reinterpret_cast<const Vec*>(src);
+  memcpy(dst, &x, sizeof(Vec));  // a register move, not a memory copy
+}
+template <int N, class T>
+__device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
+  using Vec = typename VecBytes<N, T>::type;
+  Vec x;
+  memcpy(&x, src, sizeof(Vec));
+  *reinterpret_cast<Vec*>(dst) = x;
+}
+
+// The fast approximations of the fused prepare (stage_row_slices, decay_columns<kFast>;
+// K1 keeps the IEEE forms, so that the split path stays bitwise stage 07's). ex2.approx and
+// rcp.approx are single MUFU instructions (relative error about 2^-22); rsqrtf
+// is MUFU.RSQ. The IEEE division and sqrt compile to a fast path, a check and a
+// CALL to a slow path: four rows of them in stage_rows were about 1100
+// instructions per warp, every row in turn behind a branch.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// 1 / (1 + 2^(-x log2 e)): x -> -inf gives 1 / inf = 0, x -> +inf gives 1.
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  return rcp_approx(1.0f + ex2_approx(-1.4426950408889634f * x));
+}
+
+}  // namespace kda_stage
+
+// The ablation builds' switches and, for each, the previous stage's code that it runs instead.
+#include "ablations.cuh"
+
+namespace kda_stage {
 
 // acc(M, N) += sA(M, Kd) * sB(N, Kd)^T, with sA, sB in shared memory and acc this
 // thread's accumulator fragment (from thr_mma.partition_fragment_C). `idx` is the
@@ -96,6 +158,7 @@ __device__ __forceinline__ auto a_loader(TiledMma const& mma) {
 template <class BAtom, class TiledMma, class TensorA, class TensorB, class TensorC>
 __device__ __forceinline__ void mma_smem(TiledMma const& mma, int idx, TensorA const& sA,
                                          TensorB const& sB, TensorC& acc) {
+  if constexpr (kFragStage09) return ablation::mma_smem_by_elements(mma, idx, sA, sB, acc);
   auto thr_mma = mma.get_slice(idx);
   auto ldsm = a_loader(mma);
   auto thr_ldsm = ldsm.get_slice(idx);
@@ -128,6 +191,7 @@ __device__ __forceinline__ auto b_fragment(ThrMma const& thr_mma) {
 template <class TiledMma, class TensorA, class FragB, class TensorC>
 __device__ __forceinline__ void mma_smem_reg(TiledMma const& mma, int idx, TensorA const& sA,
                                              FragB const& rB, TensorC& acc) {
+  if constexpr (kFragStage09) return ablation::mma_smem_reg_by_elements(mma, idx, sA, rB, acc);
   auto thr_mma = mma.get_slice(idx);
   auto ldsm = a_loader(mma);
   auto thr_ldsm = ldsm.get_slice(idx);
@@ -154,6 +218,7 @@ __device__ __forceinline__ void c_to_b(FragC const& c, FragB& b) {
   static_assert(size<0>(FragC{}.layout()) == 4 && size<0>(FragB{}.layout()) == 4, "SM80 16x8x16 fragments");
   static_assert(size<1>(FragC{}.layout()) == size<2>(FragB{}.layout()) &&
                 size<2>(FragC{}.layout()) == size<1>(FragB{}.layout()), "B = X as (M, N) -> (N, M) tiles");
+  if constexpr (kFragStage09) return ablation::c_to_b_by_halves(c, b);
   // The movmatrix result is already the B register (elements 2h, 2h + 1 of the tile,
   // low half first): written as one 32-bit word. (Written as two bf16 halves, the
   // compiler split and re-packed every word: two PRMT and a SHF per MOVM, about a
@@ -173,45 +238,9 @@ __device__ __forceinline__ void c_to_b(FragC const& c, FragB& b) {
   }
 }
 
-// A shared-memory view of a row-major tile: shape (ROWS, COLS), rows LD elements apart.
-template <int ROWS, int COLS, int LD, class T>
-__device__ __forceinline__ auto smem_rows(T* ptr) {
-  return make_tensor(make_smem_ptr(ptr),
-                     make_layout(make_shape(Int<ROWS>{}, Int<COLS>{}), make_stride(Int<LD>{}, _1{})));
-}
-
-// The transposed view of the same tile: shape (COLS, ROWS), element (j, i) = ptr[i * LD + j].
-template <int ROWS, int COLS, int LD, class T>
-__device__ __forceinline__ auto smem_cols(T* ptr) {
-  return make_tensor(make_smem_ptr(ptr),
-                     make_layout(make_shape(Int<COLS>{}, Int<ROWS>{}), make_stride(_1{}, Int<LD>{})));
-}
-
 // ---------------------------------------------------------------------------
 // small helpers
 // ---------------------------------------------------------------------------
-
-// N contiguous elements between global/shared memory and registers as ONE vector
-// access (N * sizeof(T) must be 4, 8 or 16 bytes; the address aligned to it).
-template <int N, class T>
-struct VecBytes {
-  static constexpr int kBytes = N * (int)sizeof(T);
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "4-, 8- or 16-byte vectors");
-  using type = std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 8, uint2, uint4>>;
-};
-template <int N, class T>
-__device__ __forceinline__ void load_vec(const T* src, T (&dst)[N]) {
-  using Vec = typename VecBytes<N, T>::type;
-  const Vec x = *reinterpret_cast<const Vec*>(src);
-  memcpy(dst, &x, sizeof(Vec));  // a register move, not a memory copy
-}
-template <int N, class T>
-__device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
-  using Vec = typename VecBytes<N, T>::type;
-  Vec x;
-  memcpy(&x, src, sizeof(Vec));
-  *reinterpret_cast<Vec*>(dst) = x;
-}
 
 // mbarriers: 64-bit objects in shared memory that count arrivals and flip a
 // phase bit each time the expected count is reached. A thread waits for a phase
@@ -367,27 +396,6 @@ __device__ __forceinline__ GateParams<K> gate_params(const KdaFwdParams& p, int 
   return gp;
 }
 
-// The fast approximations of the fused prepare (kFast below; K1 keeps the IEEE
-// forms, so that the split path stays bitwise stage 07's). ex2.approx and
-// rcp.approx are single MUFU instructions (relative error about 2^-22); rsqrtf
-// is MUFU.RSQ. The IEEE division and sqrt compile to a fast path, a check and a
-// CALL to a slow path: four rows of them in stage_rows were about 1100
-// instructions per warp, every row in turn behind a branch.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// 1 / (1 + 2^(-x log2 e)): x -> -inf gives 1 / inf = 0, x -> +inf gives 1.
-__device__ __forceinline__ float sigmoid_approx(float x) {
-  return rcp_approx(1.0f + ex2_approx(-1.4426950408889634f * x));
-}
-
 // Phase 1 (K1): the rows' sums of squares, their warp sums (warp_sum's butterfly),
 // then each row's normalisation and gate, with stage 07's arithmetic in stage 07's
 // order (the split path stays bitwise stage 07's). The source order puts the four
@@ -452,11 +460,13 @@ struct RowSlices {
   static constexpr int G = K / 32, GV = V / 32;  // groups of 4 features per lane
   bf16 q[G][4], k[G][4], g[G][4], v[GV][4];
   bf16 beta;  // raw bf16, converted in stage_row_slices (see load_rows)
+  ablation::IfRowsStage09<RawRows<K, V>> k1;  // rows_stage09 only: the rows in K1's layout (empty here)
 };
 
 template <int K, int V>
 __device__ __forceinline__ void load_row_slices(const KdaFwdParams& p, int b, int h, int n, int warp, int lane,
                                                 RowSlices<K, V>& r) {
+  if constexpr (kRowsStage09) return load_rows(p, b, h, n, warp, lane, r.k1);
   constexpr int G = RowSlices<K, V>::G, GV = RowSlices<K, V>::GV;
   const bf16* q = reinterpret_cast<const bf16*>(p.q);
   const bf16* k = reinterpret_cast<const bf16*>(p.k);
@@ -492,11 +502,16 @@ __device__ __forceinline__ void load_row_slices(const KdaFwdParams& p, int b, in
 template <int K>
 struct GateSlices {
   float c1, c0[K / 32][4];
+  ablation::IfRowsStage09<GateParams<K>> k1;  // rows_stage09 only: K1's gate parameters (empty here)
 };
 template <int K>
 __device__ __forceinline__ GateSlices<K> gate_slices(const KdaFwdParams& p, int h, int lane) {
   constexpr float kLog2e = 1.4426950408889634f;
   GateSlices<K> gs;
+  if constexpr (kRowsStage09) {  // rows_stage09: K1's gate parameters
+    gs.k1 = gate_params<K>(p, h, lane);
+    return gs;
+  }
   const float aexp = expf(p.A_log[h]);
   gs.c1 = -aexp * kLog2e;
 #pragma unroll
@@ -515,6 +530,7 @@ __device__ __forceinline__ GateSlices<K> gate_slices(const KdaFwdParams& p, int 
 template <int K, int V>
 __device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateSlices<K>& gs,
                                                  int n, int warp, int lane, const RowSlices<K, V>& r) {
+  if constexpr (kRowsStage09) return ablation::stage_rows_fast(sm, p, gs.k1, n, warp, lane, r.k1);
   constexpr int G = RowSlices<K, V>::G, GV = RowSlices<K, V>::GV;
   constexpr float kLog2e = 1.4426950408889634f;
   const int c = warp * 4 + lane / 8, f0 = 4 * (lane % 8);
@@ -561,6 +577,7 @@ __device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdP
 // 8 addresses) instead of K/8 single loads.
 template <int K>
 __device__ __forceinline__ int el_index(int d) {
+  if constexpr (kSmemStage09) return d;  // smem_stage09: at d, as the previous stage stored it
   return (d % 8) * (K / 8) + d / 8;
 }
 
@@ -661,6 +678,7 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
 // length as one.
 template <int K, int V, int LDA>
 __device__ __forceinline__ void products(K1Smem<K, V>& sm, int tid, const bf16* qd, bf16* out_Aqk) {
+  if constexpr (kSmemStage09) return ablation::products_two_warps<K, V, LDA>(sm, tid, qd, out_Aqk);
   WarpMma mma;
   const int warp = tid / 32, idx = tid % 32;  // warp 0: L, warp 1: Aqk, each loading its A once
   if (warp > 1) return;
@@ -922,7 +940,8 @@ __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const Kda
     if (timer) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_OSTORE, tp);
 
     // ---- S = diag(exp(glast)) S + kr^T @ vcorr: decay in place, then accumulate ----
-    {  // lane (g, t) holds rows d = 16 mt + g + 8 (v / 2) of S: el[g + 8 j] with j = 2 mt + v / 2
+    if constexpr (kSmemStage09) ablation::decay_by_elements(rS, tCcS, st.el);
+    else {  // lane (g, t) holds rows d = 16 mt + g + 8 (v / 2) of S: el[g + 8 j] with j = 2 mt + v / 2
       float elv[K / 8];  // stored at el_index (decay_columns): K/32 16-byte loads
       CUTE_UNROLL
       for (int i = 0; i < K / 32; ++i) {
@@ -1108,6 +1127,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
 
   if (warp < kPrepWarps) {
     // =================== the prepare teams: producers of the ring ===================
+    if constexpr (kRegsStage09) ablation::setmaxnreg_prepare<kPrepWarps, NCW>();
     const int team = warp / 4, tid = threadIdx.x % kThreads, twarp = warp % 4;
     const int b = bh / p.H, h = bh % p.H;
     KDA_PROF_START(tp);
@@ -1145,6 +1165,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
   }
 
   // ===================== compute warps 8 .. 8 + NCW - 1 =====================
+  if constexpr (kRegsStage09) ablation::setmaxnreg_compute<kPrepWarps, NCW>();
   const int cw = warp - kPrepWarps;
   recurrence_warp<K, V, NCW>(sm.ring, p, bh, col0 + cw * VW, cw, lane, 0, p.NT);
 }

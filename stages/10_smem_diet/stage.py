@@ -20,7 +20,7 @@ import torch
 
 from common import extrun
 from common.build import load_extension
-from common.contract import StageSpec, ablation_build_args, prepare
+from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
@@ -49,7 +49,29 @@ SPEC = StageSpec(
 )
 
 # The ideas of this stage that can be turned off one at a time (common/ablation.py).
-ABLATIONS = ()
+# Each define turns ONE idea of the README off and does there what stage 09 did
+# (ablations.cuh holds that code); the other ideas stay on.
+ABLATIONS = (
+    Ablation(name="frag_stage09", define="KDA_FRAG_STAGE09",
+             idea="B fragments written as 32-bit words, A fragments by ldmatrix",
+             instead="B written as two bf16 halves (re-packed), operands by 32-bit shared loads",
+             region="K2: S to bf16"),
+    Ablation(name="smem_stage09", define="KDA_SMEM_STAGE09",
+             idea="exp(glast) at el_index (16-byte loads), one warp per prepare product",
+             instead="exp(glast) at d (single loads), two warps per 16 x 16 product",
+             region="K2: S decay"),
+    Ablation(name="rows_stage09", define="KDA_ROWS_STAGE09",
+             idea="eight lanes per token in the fused prepare (6 shuffles)",
+             instead="K1's rows, a lane across 4 rows (40 shuffles per lane and chunk)",
+             region="K2 producer: issue loads (+ stage rows, fused)"),
+    Ablation(name="regs_stage09", define="KDA_REGS_STAGE09",
+             idea="128 registers for all warps (no setmaxnreg, sm_90 build)",
+             instead="setmaxnreg 104 (prepare) / 152 (compute warps), sm_90a build",
+             region="K2: wait for operands"),
+)
+
+# The ablation whose code needs the sm_90a build (setmaxnreg); the stage itself is built for sm_90.
+_SM90A_ABLATIONS = ("regs_stage09",)
 
 
 # CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
@@ -65,7 +87,7 @@ def build(profile=False, verbose=False, ablation=None):
     """Compile (or load the cached build of) this stage's extension; ``ablation``
     names one of ABLATIONS to build with that idea turned off."""
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
-                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose,
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, sm90a=ablation in _SM90A_ABLATIONS,
                           **ablation_build_args(ABLATIONS, ablation))
 
 
