@@ -23,26 +23,26 @@ import torch
 
 from . import bench, checks, extrun
 from .contract import prepare
-from .stages import load_stage, normalize
+from .stages import stage as ladder_stage
 
 RESULTS = "ablations"  # results/h200/ablations.json
 
 
 def ablations(stage_id) -> tuple:
     """The stage's ablations (empty for a one-idea stage)."""
-    return tuple(getattr(load_stage(stage_id), "ABLATIONS", ()))
+    return ladder_stage(stage_id).ablations
 
 
 def stages_with_ablations() -> list[str]:
-    from .stages import stage_ids
+    from .stages import ladder
 
-    return [sid for sid in stage_ids() if ablations(sid)]
+    return [st.id for st in ladder() if st.ablations]
 
 
 def variant(stage_id, name: str):
     """A stage-like object (SPEC, forward, profile, build) for the stage built
     with ablation ``name`` turned off; checks and timings take it as a stage."""
-    stage = load_stage(stage_id)
+    stage = ladder_stage(stage_id)
     ab = next((a for a in stage.ABLATIONS if a.name == name), None)
     if ab is None:
         known = ", ".join(a.name for a in stage.ABLATIONS) or "none"
@@ -66,7 +66,7 @@ def variant(stage_id, name: str):
 def shape_for(stage_id) -> dict:
     """The shape a stage's ablations are timed and profiled at: its regime's
     summary shape (bench.REGIMES)."""
-    return dict(bench.REGIMES[bench.regime(load_stage(stage_id).SPEC)]["shape"])
+    return dict(bench.REGIMES[bench.regime(ladder_stage(stage_id).spec)]["shape"])
 
 
 def _time(fn, budget_s: float) -> dict:
@@ -95,8 +95,8 @@ def _timings(st, spec, shape, budget_s: float) -> dict:
 def measure(stage_id, *, budget_s: float = 1.0, quick: bool = False, say=print) -> list[dict]:
     """On a GPU: the stage and each ablation, checked (vs fp64 and vs the full
     stage), timed at :func:`shape_for` and profiled. One row per variant."""
-    sid = normalize(stage_id)
-    stage = load_stage(sid)
+    stage = ladder_stage(stage_id)
+    sid = stage.id
     spec = stage.SPEC
     shape = shape_for(sid)
     cases = checks.cases_for(spec, "cuda", quick=quick)
@@ -140,7 +140,7 @@ def recorded_rows(stage_id=None) -> tuple[dict | None, list[dict]]:
         return None, []
     rows = rec["rows"]
     if stage_id is not None:
-        name = load_stage(stage_id).SPEC.name
+        name = ladder_stage(stage_id).name
         rows = [r for r in rows if r["stage"] == name]
     return rec["meta"], rows
 

@@ -20,7 +20,7 @@ from .contract import prepare
 from .fla_ref import (FLASHKDA_NAME, fla_available, fla_forward, flashkda_available, flashkda_call,
                       flashkda_unsupported)
 from .inputs import make_cotangents, make_inputs, parse_shape, shape_label  # noqa: F401 (bench.shape_label)
-from .stages import load_stage, previous
+from .stages import load_stage, stage as ladder_stage
 from .timing import time_call
 
 # The sweeps of the issues, in one place.
@@ -317,9 +317,9 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
 
     from .fla_ref import flashkda_forward
 
-    stage = load_stage(stage_id)
-    pid = previous(stage_id)
-    prev = load_stage(pid)
+    stage = ladder_stage(stage_id)
+    prev = stage.previous
+    pid = prev.id
     kw = path_inputs(shape)
     prev_paths = getattr(prev, "PATHS", {})
 

@@ -23,14 +23,16 @@ from .contract import poisoned
 from .inputs import TENSOR_ARGS, make_cotangents, make_inputs
 from .metrics import rel_err, tolerance, worst
 from .reference import kda_reference
-from .stages import load_stage, previous
+from .stages import Stage, stage as ladder_stage
 
 
 def as_stage(stage):
-    """A stage module from an id ("01", "01_cpp") or the module itself (a
-    stage-like object with SPEC and forward, as the negative-control tests
-    plant)."""
-    return load_stage(stage) if isinstance(stage, (str, int)) else stage
+    """The :class:`common.stages.Stage` of an id ("01", "01_cpp") or of a stage
+    module, resolved once; a stage-like object with SPEC and forward that is not
+    a stage of the ladder (as the negative-control tests plant) as it is."""
+    if isinstance(stage, (str, int, Stage)):
+        return ladder_stage(stage)
+    return stage
 
 
 _DEFAULT = object()
@@ -260,8 +262,7 @@ def check_case(stage, case: Case, *, device=None, backward=None, against_prev=Tr
     rdev = torch.device(ref_device) if ref_device is not None else dev
     ref = run(kda_reference, inp, rdev, backward=backward, cotangents=cot, dtype=torch.float64)
     if prev is _DEFAULT:
-        pid = previous(spec.id) if against_prev else None
-        prev = load_stage(pid) if pid is not None else None
+        prev = (stage.previous if isinstance(stage, Stage) else ladder_stage(spec.id).previous) if against_prev else None
     pres = None
     if prev is not None:
         pdev = stage_device(prev.SPEC, dev)

@@ -95,13 +95,13 @@ def _build(stage, profile: bool, verbose: bool):
 
 def cmd_check(args) -> int:
     from . import checks
-    from .stages import load_stage, previous
+    from .stages import stage as ladder_stage
 
     sid = _stage_id(args.stage)
     spec, ok, why = _runnable(sid)
     if spec is None:
         raise UsageError(why)
-    stage = load_stage(sid)
+    stage = ladder_stage(sid)
     t0 = time.time()
     if _build(stage, args.profile, args.verbose) is None:
         return EXIT_COMPILE
@@ -110,18 +110,18 @@ def cmd_check(args) -> int:
              f"NOT checked: needs a GPU ({why}).")
         _say(f"Run `kdalab check {sid}` (or `pytest -m gpu`) on a machine with one.")
         return EXIT_NOT_CHECKED
-    pid = previous(sid)
-    if pid is not None and _build(load_stage(pid), False, args.verbose) is None:
+    prev = stage.previous
+    if prev is not None and _build(prev, False, args.verbose) is None:
         return EXIT_COMPILE
     cases = checks.cases_for(spec, checks.stage_device(spec), args.quick)
     _say(f"checking stage {spec.name} against the fp64 reference"
-         f"{' and stage ' + load_stage(pid).SPEC.name if pid else ''} on {len(cases)} cases ...")
+         f"{' and stage ' + prev.name if prev else ''} on {len(cases)} cases ...")
 
     def progress(i, n, case, rows):
         bad = [r for r in rows if not r["ok"]]
         _say(f"  [{i}/{n}] {case.id}: {'ok' if not bad else 'FAIL ' + ', '.join(r['output'] for r in bad)}")
 
-    rows = checks.check_stage(sid, cases, progress=progress)
+    rows = checks.check_stage(stage, cases, progress=progress)
     _say("")
     _say(checks.format_rows(checks.summarize(rows), columns=("output", "err_ref", "err_prev", "tol", "ok", "cases")))
     failed = [r for r in rows if not r["ok"]]

@@ -12,7 +12,7 @@ in preallocated (so checks can poison them):
 o is [B, T, H, V] in the stage's compute dtype (float32 for 01-04, bfloat16
 for the tensor-core stages), ht is float32 [B, H, K, V]; every gradient is
 float32 in the shape of its input. ``prof`` is the profile buffer of the -DKDA_PROFILE
-build (None otherwise): float64 seconds [1, 16] on the CPU, int64 cycles
+build (None otherwise): float64 seconds [1, 20] on the CPU, int64 cycles
 [slots, 16] on the GPU (see common/include/kda_profile.cuh).
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from .contract import Call, StageSpec, alloc
 
-MAX_REGIONS = 16
+MAX_REGIONS = 20  # common/include/kda_profile.cuh KDA_MAX_REGIONS
 
 
 def _fwd(ext, c: Call, prof=None, path=None):

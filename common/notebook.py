@@ -556,8 +556,10 @@ def ablation_plot(stage_id):
     full = next(r for r in rows if r["variant"] == "full")
     ms = {y: bench.best_ms(full, y) for y in ("fwd", "bwd")}
     spec = load_stage(stage_id).SPEC
-    return plot_ablation(ablation.bought(rows), ms, unit=spec.region_unit,
-                         title=f"Stage {spec.id}: what each idea bought, {bench.shape_label(full)} "
+    bought = ablation.bought(rows)
+    at = bench.shape_label(full) if len({b["shape"] for b in bought}) == 1 else "each at a shape where it runs"
+    return plot_ablation(bought, ms, unit=spec.region_unit,
+                         title=f"Stage {spec.id}: what each idea bought, {at} "
                                f"(recorded, {meta.get('device', 'H200')})")
 
 
@@ -741,14 +743,16 @@ def paths_plot(stage_id="09"):
 # kda_fused_kernel: the prepare warps reuse K1's region ids for K1's phases and
 # the load warp's for the rest), in the order a chunk goes through them.
 FUSED_PREPARE = {
+    "fused prepare: team barrier": "barrier",
     "K2 producer: issue loads (+ stage rows, fused)": "rows +\nnext loads",
-    "K1: load+pre-stage": "decay",
+    "K2 producer: wait (free slot, barrier)": "free slot",
+    "fused prepare: decay columns": "decay",
     "K1: L/Aqk products": "L, Aqk",
     "K1: inverse": "inverse",
     "K1: w/u + store": "w, u",
-    "K2 producer: wait (free slot, barrier)": "barrier, free slot",
 }
 FUSED_COMPUTE_WAIT = "K2: wait for operands"
+FUSED_BARRIER, FUSED_DECAY = "fused prepare: team barrier", "fused prepare: decay columns"
 # The fused kernel's prepare teams are a fact of its stage (stage.py PREP_TEAMS, the
 # kernel's kPrepTeams): thread 0 of each team adds its timeline to the block's prepare
 # regions, so these hold the sum of the teams' timelines, each spanning the block's
@@ -773,6 +777,11 @@ def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int | None = None)
     split path's, a region missing, the wrong team count): ValueError."""
     if T < 1:
         raise ValueError(f"T must be positive, got {T}")
+    if FUSED_DECAY not in prof and "K1: load+pre-stage" in prof and FUSED_BARRIER not in prof:
+        # a record of the kernels before the fused prepare had regions of its own (before 2026-12-01 late):
+        # its decay phase was timed as K1's first region, its team barrier inside the wait for a free slot
+        prof = {(FUSED_DECAY if r == "K1: load+pre-stage" else r): v for r, v in prof.items()}
+        prof[FUSED_BARRIER] = 0.0
     teams = prep_teams() if teams is None else teams
     nt = -(-T // chunk)
     prep = {r: prof[r] / (nt * teams) for r in FUSED_PREPARE if r in prof}

@@ -22,7 +22,7 @@ from matplotlib.colors import to_rgba
 
 # Phase families: colormap -> region names, in the order their shades are given.
 _FAMILIES = {
-    "Blues": ["fwd: pre-stage", "K1: load+pre-stage", "bwd: pre-stage adjoint"],
+    "Blues": ["fwd: pre-stage", "K1: load+pre-stage", "fused prepare: decay columns", "bwd: pre-stage adjoint"],
     "Oranges": ["fwd: WY transform", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store", "bwd: WY adjoint",
                 "bwd: WY/Aqk adjoint"],
     "Greens": ["fwd: Aqk", "bwd: autograd", "bwd: recompute"],
@@ -31,7 +31,7 @@ _FAMILIES = {
     "Purples": ["K2: vcorr", "K2: Aqk@vcorr", "K2: kr^T@vcorr", "K2: S decay", "K2: S update", "K2: S to bf16"],
     "Greys": ["K2: loads / barriers", "K2: wait for operands", "K2 load warp: wait for a free slot",
               "K2 load warp: issue cp.async", "K2 producer: wait (free slot, barrier)",
-              "K2 producer: issue loads (+ stage rows, fused)"],
+              "K2 producer: issue loads (+ stage rows, fused)", "fused prepare: team barrier"],
 }
 
 
@@ -229,48 +229,48 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
 def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought", unit: str = "cycles", axes=None):
     """Two panels for a stage's ablations (common.ablation.bought rows).
 
-    Left: the stage's time with every idea on (``full_ms``: {"fwd": ms, "bwd": ms})
-    against its time with one idea turned off, one bar per idea and direction,
-    the time and the ratio (without / with) written at the bar's end; a log axis
-    only when the times span more than 10x. Right: the profile region each idea
-    moved, with and without it (per block, ``unit``, log axis), in that region's
-    colour."""
+    Left: what each idea bought, as the time with that one idea turned off over
+    the stage's time with every idea on, at the same shape (the shape is in the
+    label: an idea is measured where it runs), one bar per idea and direction,
+    with both times written at the bar's end; a line at 1 (above it: the idea
+    pays); a log axis only when the ratios span more than 10x. ``full_ms`` is
+    kept for the caller's title. Right: the profile region each idea moved, with
+    and without it (per block, ``unit``, log axis), in that region's colour."""
     import textwrap
 
+    n_dirs = 1 + any(b.get("bwd_ms_without") is not None for b in bought)
     if axes is None:
-        fig, axes = plt.subplots(1, 2, figsize=(13, 1.8 + 0.62 * max(len(bought) * (1 + (full_ms.get("bwd") is not None)), 3)),
+        fig, axes = plt.subplots(1, 2, figsize=(13, 1.8 + 0.62 * max(len(bought) * n_dirs, 3)),
                                  gridspec_kw={"width_ratios": [3, 2]})
     ax, bx = axes
     wrap = lambda t: "\n".join(textwrap.wrap(t, 46))  # noqa: E731
+    shapes = {b.get("shape") for b in bought}
     labels, vals, colors, notes = [], [], [], []
     for y in ("fwd", "bwd"):
-        if full_ms.get(y) is None:
-            continue
-        labels.append(f"every idea on ({y})")
-        vals.append(full_ms[y])
-        colors.append("#444444")
-        notes.append(format_ms(full_ms[y]))
         for b in bought:
             if b.get(f"{y}_ms_without") is None:
                 continue
             bad = "  CHECKS FAILED" if not b["checks_ok"] else ""
-            labels.append(wrap(f"without {b['idea']} ({y})"))
-            vals.append(b[f"{y}_ms_without"])
+            at = f", {b['shape']}" if len(shapes) > 1 and b.get("shape") else ""
+            labels.append(wrap(f"{b['idea']} ({y}{at})"))
+            vals.append(b[f"{y}_speedup"])
             colors.append(region_color(b["region"]) if b.get("region") else "#999999")
-            notes.append(f"{format_ms(b[f'{y}_ms_without'])}  x{b[f'{y}_speedup']:.2f}{bad}")
+            notes.append(f"x{b[f'{y}_speedup']:.2f}  ({format_ms(b[f'{y}_ms_without'])} without, "
+                         f"{format_ms(b[f'{y}_ms_with'])} with){bad}")
     ys = list(range(len(labels)))
     ax.barh(ys, vals, color=colors, height=0.7)
     for yv, v, n in zip(ys, vals, notes):
         ax.text(v, yv, "  " + n, va="center", fontsize=8)
+    ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
-    if max(vals) / min(vals) > 10:
+    if vals and max(vals) / min(vals) > 10:
         ax.set_xscale("log")
-        ax.set_xlim(min(vals) / 1.5, max(vals) * 6)
-        ax.set_xlabel("GPU time per call, ms (log axis); xN = time without the idea / with it")
+        ax.set_xlim(min(min(vals), 1.0) / 1.5, max(vals) * 8)
+        ax.set_xlabel("time without the idea / with it (log axis; above 1: the idea pays)")
     else:
-        ax.set_xlim(0, max(vals) * 1.45)
-        ax.set_xlabel("GPU time per call, ms; xN = time without the idea / with it")
+        ax.set_xlim(0, max(vals + [1.0]) * 2.3)
+        ax.set_xlabel("time without the idea / with it (above 1: the idea pays)")
     ax.set_title(title, fontsize=10)
     moved = [b for b in bought if b.get("region")]
     ys = list(range(len(moved)))

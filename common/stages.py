@@ -70,6 +70,74 @@ def previous(stage_id):
     return ids[i - 1] if i > 0 else None
 
 
+class Stage:
+    """One stage of the ladder, resolved once: its id and directory, its
+    stage.py module, its spec, its paths and ablations, and the stage it is
+    checked against. Built by :func:`stage` (cached, one object per stage).
+    Attributes it does not define (forward, build, profile, path, ...) come
+    from the module, so a Stage goes wherever a stage module does."""
+
+    __slots__ = ("id", "dir", "module")
+
+    def __init__(self, sid: str, module):
+        self.id, self.dir, self.module = sid, STAGE_DIRS[sid], module
+
+    @property
+    def spec(self):
+        return self.module.SPEC
+
+    @property
+    def SPEC(self):  # noqa: N802 - the name stage modules use
+        return self.module.SPEC
+
+    @property
+    def name(self) -> str:
+        return self.module.SPEC.name
+
+    @property
+    def paths(self) -> dict:
+        return dict(getattr(self.module, "PATHS", {}) or {})
+
+    @property
+    def ablations(self) -> tuple:
+        return tuple(getattr(self.module, "ABLATIONS", ()) or ())
+
+    @property
+    def previous(self) -> "Stage | None":
+        pid = previous(self.id)
+        return stage(pid) if pid is not None else None
+
+    def __getattr__(self, attr):
+        return getattr(self.module, attr)
+
+    def __repr__(self) -> str:
+        return f"Stage({self.id}, {self.dir})"
+
+
+_STAGES: dict = {}
+
+
+def stage(stage_id) -> Stage:
+    """The :class:`Stage` of an id ("08", 8, "08_segments"), of a stage module,
+    or a Stage itself (returned as it is): resolved once, then cached."""
+    if isinstance(stage_id, Stage):
+        return stage_id
+    if hasattr(stage_id, "SPEC") and not isinstance(stage_id, (str, int)):
+        sid = normalize(stage_id.SPEC.name[:2])
+        if _CACHE.get(sid) is not stage_id:  # a stand-in (an ablation variant, a test's fake): not cached
+            return Stage(sid, stage_id)
+    else:
+        sid = normalize(stage_id)
+    if sid not in _STAGES:
+        _STAGES[sid] = Stage(sid, load_stage(sid))
+    return _STAGES[sid]
+
+
+def ladder() -> list[Stage]:
+    """Every stage that exists, in ladder order, as :class:`Stage` objects."""
+    return [stage(sid) for sid in stage_ids()]
+
+
 def path_stages() -> list[str]:
     """The stages with several paths (a ``PATHS`` table and ``path()`` in
     stage.py: 08, 09), in ladder order."""

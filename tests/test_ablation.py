@@ -50,7 +50,7 @@ def test_variant_is_a_stage_and_validates_before_building():
     name = ablation.ablations(sid)[0].name
     v = ablation.variant(sid, name)
     assert v.SPEC.name != load_stage(sid).SPEC.name and v.SPEC.name.startswith(load_stage(sid).SPEC.name)
-    assert v.BASE is load_stage(sid)
+    assert v.BASE.module is load_stage(sid)
     with pytest.raises(ValueError, match="ablation must be one of"):
         ablation.variant(sid, "no_such_idea")
     q = torch.zeros(1, 16, 1, 64, dtype=torch.float64)  # a bad dtype: refused in Python, nothing is built

@@ -1008,10 +1008,11 @@ __device__ __forceinline__ void prep_sync(int team) {
 // grid = B*H*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice), block =
 // 32 * (8 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
-// Profile: slot = block index; thread 0 of each team times its prepare (K1
-// regions summed over all chunks; K2L_ISSUE = stage_rows + the next chunk's
-// loads; K2L_WAIT_SLOT = the team's barrier and the wait for a free slot),
-// compute warp 0's lane 0 the K2 regions.
+// Profile: slot = block index; thread 0 of each team times its prepare, summed
+// over its chunks: FUSED_BARRIER (the team's barrier before a chunk),
+// K2L_ISSUE (stage_rows + the next chunk's loads), K2L_WAIT_SLOT (the wait for
+// a free slot and the barrier after it), FUSED_DECAY (decay_columns), then K1's
+// products, inverse and w/u regions; compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW>
 __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
@@ -1053,7 +1054,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
     for (int x = 0; x < P; ++x) load_rows(p, b, h, team * P + x, twarp, lane, raw[x]);
     for (int n = team * P; n < p.NT; n += kStride) {  // chunk n + x in slot (n + x) % kStages
       prep_sync(team);  // the team's last step is done with its scratch
-      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
+      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_BARRIER, tp);
       stage_rows<K, V, kFastPrepare, P>(scratch, p, gp, n, twarp, lane, raw);
       if constexpr (kEarlyLoads) {
 #pragma unroll
@@ -1082,7 +1083,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
         decay_columns<K, V, K + kPad, BT + kPad, kFastPrepare, false, P>(scratch, p, tid, qd_out, krT_out, el_out);
       }
       prep_sync(team);
-      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
+      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_DECAY, tp);
 #pragma unroll
       for (int x = 0; x < P; ++x) {
         K2Slot<K, NCW>& st = sm.ring.slot[(n + x) % kStages];
