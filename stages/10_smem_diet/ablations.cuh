@@ -1,10 +1,12 @@
-// ablations.cuh -- the ablation builds of stage 10 (stage.py ABLATIONS, common/ablation.py).
+// ablations.cuh -- the ablation builds of this stage (stage.py ABLATIONS, common/ablation.py).
 //
-// Each switch turns ONE of the stage's four ideas off and does there what stage 09
+// Each switch turns ONE of the stage's four ideas off and does there what the
+// previous stage (stages/09_fused: stage 09 below and in the switches' names)
 // did instead; the other three stay on. This file holds only the switches and
-// stage 09's code they choose: the stage's own code is in kda.cu, and in the
-// default build every flag below is false and nothing of this file is compiled
-// into a kernel (each use is a discarded `if constexpr` branch).
+// stage 09's code they choose: the stage's own code is in the other files
+// (kda.cu and the .cuh files it includes). In the default build every flag below
+// is false and nothing of this file reaches a kernel: each use is a discarded
+// `if constexpr` branch, one line at each place where an idea lives.
 //
 //   KDA_FRAG_STAGE09 (frag_stage09)  the fragments moved as in stage 09: c_to_b
 //       writes each movmatrix result as two bf16 halves (the compiler splits and
@@ -26,10 +28,10 @@
 //       104 registers and the compute warps take 152. setmaxnreg needs sm_90a:
 //       stage.py builds this ablation (only this one) for sm_90a.
 //
-// kda.cu includes this file after the constants, the MMA types and the small
-// helpers, and before the MMA helpers that call it. The prepare's types that the
-// rows_stage09 code reads (RawRows, GateParams) come later, so that code takes
-// them as template parameters.
+// common.cuh includes this file (only there) after the constants, the MMA types
+// and the small helpers, and before the MMA helpers that call it. The prepare's
+// types that the rows_stage09 code reads (RawRows, GateParams: prepare.cuh) come
+// later, so that code takes them as template parameters.
 
 #pragma once
 
@@ -56,7 +58,7 @@ constexpr bool kRegsStage09 = true;
 constexpr bool kRegsStage09 = false;
 #endif
 
-// defined with the MMA helpers in kda.cu (the two-warp products below call it)
+// defined with the MMA helpers in common.cuh (the two-warp products below call it)
 template <class BAtom, class TiledMma, class TensorA, class TensorB, class TensorC>
 __device__ __forceinline__ void mma_smem(TiledMma const& mma, int idx, TensorA const& sA, TensorB const& sB,
                                          TensorC& acc);
@@ -119,7 +121,7 @@ __device__ __forceinline__ void c_to_b_by_halves(FragC const& c, FragB& b) {
 }
 
 // ---------------------------------------------------------------------------
-// smem_stage09: exp(glast) at d (el_index in kda.cu returns d), the decay by
+// smem_stage09: exp(glast) at d (el_index in prepare.cuh returns d), the decay by
 // single loads, and stage 09's two-warp products
 // ---------------------------------------------------------------------------
 
@@ -191,7 +193,6 @@ template <class Smem, class Gate, class Rows>
 __device__ __forceinline__ void stage_rows_fast(Smem& sm, const KdaFwdParams& p, const Gate& gp, int n, int warp,
                                                 int lane, const Rows& r) {
   constexpr int kRows = Rows::kRows, QV = Rows::QV, VV = Rows::VV;
-  constexpr float kLog2e = 1.4426950408889634f;
   const float aexp = gp.aexp;
   const float* dtb = gp.dtb;
   float c0[QV];  // 2^(g c1 + c0[j]) = exp(-aexp (g + dt_bias)), c1 = -aexp log2 e

@@ -1,7 +1,7 @@
 // kda.h -- parameters and launcher of the KDA chunked forward, stage 09:
 // stage 08's two paths (the fused kernel where the heads fill about two thirds
 // of the SMs at V = 128, the split path in segments elsewhere) with less
-// shared-memory traffic and fewer instructions around each MMA (kda.cu).
+// shared-memory traffic and fewer instructions around each MMA (kda.cu and its kernel files).
 //
 // Plain C++/CUDA (no torch): binding.cpp fills the struct with device pointers
 // and calls the launcher, which returns the first CUDA error.
@@ -10,7 +10,7 @@
 //   BT = 16                                    tokens per chunk (fixed in this stage)
 //   BH = B * H, bh = b * H + h                 one (batch, head) pair
 //   NT = ceil(T / BT)                          chunks per (b, h)
-//   K = V, K in {64, 128}                      head dimensions (compile-time in kda.cu)
+//   K = V, K in {64, 128}                      head dimensions (compile-time in the kernels)
 // Inputs and o use the operator's layout ([B, T, H, *]) and are never read or
 // written at t >= T. The workspace has one slot per chunk ([BH, NT, ...]): the
 // padded tokens of the last chunk exist only there, as k = q = v = 0, beta = 0

@@ -113,7 +113,7 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
 SEGMENT_CHUNKS = 64
 
-# The fused kernel's prepare teams of 4 warps on alternate chunks (kda.cu kPrepTeams; a test
+# The fused kernel's prepare teams of 4 warps on alternate chunks (fused.cuh kPrepTeams; a test
 # compares): thread 0 of each team adds its timeline to the block's prepare regions of a profile.
 PREP_TEAMS = 2
 
