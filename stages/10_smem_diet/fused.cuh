@@ -57,10 +57,11 @@ __device__ __forceinline__ void prep_sync(int team) {
 // grid = B*H*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice), block =
 // 32 * (8 + NCW) threads, dynamic smem = sizeof(FusedSmem). With column slices
 // (NCW < V/16) every slice prepares the whole chunk and keeps its columns of u.
-// Profile: slot = block index; thread 0 of each team times its prepare (K1
-// regions summed over all chunks; K2L_ISSUE = stage_row_slices + the next chunk's
-// loads; K2L_WAIT_SLOT = the team's barrier and the wait for a free slot),
-// compute warp 0's lane 0 the K2 regions.
+// Profile: slot = block index; thread 0 of each team times its prepare, summed
+// over its chunks: FUSED_BARRIER (the team's barrier before a chunk), K2L_ISSUE
+// (stage_row_slices + the next chunk's loads), K2L_WAIT_SLOT (the wait for a
+// free slot and the barrier after it), FUSED_DECAY (decay_columns), then K1's
+// products, inverse and w/u regions; compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
 template <int K, int V, int NCW>
 __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
     load_row_slices(p, b, h, team, twarp, lane, raw);
     for (int n = team; n < p.NT; n += kPrepTeams) {  // chunk n in slot n % kStages
       prep_sync(team);  // the team's last chunk is done with its scratch
-      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
+      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_BARRIER, tp);
       stage_row_slices(scratch, p, gs, n, twarp, lane, raw);
       load_row_slices(p, b, h, n + kPrepTeams, twarp, lane, raw);  // the team's next chunk (past T: zero rows)
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
       prep_sync(team);
       decay_columns<K, V, K + kPad, BT + kPad, true, false>(scratch, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
       prep_sync(team);
-      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
+      if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_DECAY, tp);
       products<K, V, BT + kPad>(scratch, tid, &st.qd[0][0], &st.Aqk[0][0]);
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);

@@ -1,13 +1,13 @@
-// kda.cu -- stage 09: stage 08 with less work around each MMA.
+// kda.cu -- stage 10: stage 09 with less work around each MMA.
 //
-// Stage 08's fused kernel is as fast as its two prepare teams can stream chunks
+// Stage 09's fused kernel is as fast as its two prepare teams can stream chunks
 // and its compute warps can run the chain on them. What bounds both is the work
 // that moves operands, not the MMAs: the SASS of the chain and Nsight Compute's
 // source counters of the prepare (shuffles, shared loads) said so, and after the
 // first two changes below ncu put the kernel at 85% of its L1/shared throughput
 // (fused8, B = 8, T = 1024, H = 64). This stage keeps every path, the rule and
 // the bits of the split path, and cuts that work, each change measured on its
-// own (docs/PERF_NOTES.md, outcomes 10 and 11):
+// own (docs/PERF_NOTES.md, outcomes 10 and 11; a switch each, stage.py ABLATIONS):
 //
 //   * The chain's B fragments as words: c_to_b writes each movmatrix result as
 //     one 32-bit word (as two bf16 halves the compiler split and re-packed every
@@ -29,9 +29,9 @@
 //     sm_90a build (128 for all 16 warps of fused8 beat 104/152).
 //
 // Numerics: the split path has stage 07's roundings (bitwise equal outputs).
-// The fused path sums each row's squares in another order than stage 08's
-// (eight lanes, then a butterfly): its outputs differ from stage 08's by
-// rounding (the paths table of results/h200/stage09/ gives the figure), not
+// The fused path sums each row's squares in another order than stage 09's
+// (eight lanes, then a butterfly): its outputs differ from stage 09's by
+// rounding (the paths table of results/h200/stage10/ gives the figure), not
 // measurably against fp64. Both bitwise deterministic.
 //
 // Files (one translation unit: kda.cu includes the kernel files):

@@ -1,5 +1,5 @@
-// kda.h -- parameters and launcher of the KDA chunked forward, stage 09:
-// stage 08's two paths (the fused kernel where the heads fill about two thirds
+// kda.h -- parameters and launcher of the KDA chunked forward, stage 10:
+// stage 09's two paths (the fused kernel where the heads fill about two thirds
 // of the SMs at V = 128, the split path in segments elsewhere) with less
 // shared-memory traffic and fewer instructions around each MMA (kda.cu and its kernel files).
 //
@@ -42,8 +42,10 @@ enum KdaRegion {
   KDA_REG_K2_DECAY = 10,     // K2: S decay           (S *= exp(glast), registers)
   KDA_REG_K2_KV = 11,        // K2: kr^T@vcorr        (accumulated into S)
   KDA_REG_K2_SCOPY = 12,     // K2: S to bf16         (accumulator -> B fragment, movmatrix)
-  KDA_REG_K2L_WAIT_SLOT = 13,// K2 producer: wait (EMPTY[slot] mbarrier; fused: also the prepare warps' barrier)
+  KDA_REG_K2L_WAIT_SLOT = 13,// K2 producer: wait (EMPTY[slot] mbarrier; fused: and the team's barrier after it)
   KDA_REG_K2L_ISSUE = 14,    // K2 producer: issue loads (load warp: cp.async; fused: stage_rows + next chunk's loads)
+  KDA_REG_FUSED_BARRIER = 15,// fused prepare: the team's barrier before a chunk (its last step done with the scratch)
+  KDA_REG_FUSED_DECAY = 16,  // fused prepare: decay_columns (qd, kr^T, exp(glast) into the slot)
 };
 
 struct KdaFwdParams {

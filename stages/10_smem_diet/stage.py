@@ -2,7 +2,7 @@
 
 Stage 09's fused kernel is bound by shared memory and by the instructions that
 move MMA operands (its SASS and Nsight Compute's counters). This stage keeps
-stage 08's paths, rule and segments and cuts that work: the chain's B fragments
+stage 09's paths, rule and segments and cuts that work: the chain's B fragments
 written as 32-bit words and its A fragments loaded by ldmatrix, the fused
 prepare's rows in eight lanes per token (6 shuffles per lane and chunk instead
 of 40), exp(glast) laid out for 16-byte loads and one warp per 16 x 16 product
@@ -38,11 +38,12 @@ SPEC = StageSpec(
     compute_dtype=torch.bfloat16,
     backward=False,
     regions=(
-        # ids 0-14, in the order of the KdaRegion enum in kda.h
+        # ids 0-16, in the order of the KdaRegion enum in kda.h
         "K1: load+pre-stage", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store",
         "K2: wait for operands", "K2: w@S", "K2: qd@S", "K2: vcorr", "K2: Aqk@vcorr", "K2: o store",
         "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
         "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
+        "fused prepare: team barrier", "fused prepare: decay columns",
     ),
     region_unit="cycles",
     extra={"cutlass": True, "min_sm": 80},
@@ -94,20 +95,22 @@ def build(profile=False, verbose=False, ablation=None):
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
     """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
+    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None  # before any check
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.run(build(), SPEC, c, path=_path_args(c.V))
+    return extrun.run(build(), SPEC, c, path=pin or _path_args(c.V))
 
 
 def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
             backward=False):
     """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
+    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None  # before any check
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=_path_args(c.V))
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=pin or _path_args(c.V))
 
 
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
