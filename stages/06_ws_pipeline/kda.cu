@@ -51,21 +51,9 @@
 // values as before. Bitwise deterministic: no atomics outside the profile timers.
 //
 // Ablations (stage.py ABLATIONS; common/ablation.py builds each with -D<switch>):
-// each switch turns ONE of the ideas above off and keeps the others on.
-//   KDA_NO_LOAD_WARP   no load warp: the compute warps fill the slot of chunk n
-//                      themselves (same cp.async, same FULL/EMPTY mbarriers) and
-//                      wait for it right away, so the loads sit on the chain again.
-//   KDA_NO_MBARRIER    no mbarriers: the load warp and the compute warps meet at
-//                      one __syncthreads per chunk (the load warp waits for its
-//                      own copies with cp.async.wait_group before it).
-//   KDA_NO_REG_STATE   the fp32 state slice lives in (warp-private) shared memory
-//                      as in stage 05: loaded, decayed, updated and stored back
-//                      every chunk (bitwise the same values).
-//   KDA_FIXED_WIDTH    always two compute warps (32 columns) per K2 block, stage
-//                      05's block width, whatever the occupancy.
-//   KDA_K1_STAGE05     stage 05's K1 pre-stage (row by row loads, three exps per
-//                      element) and inverse (through shared memory, __syncwarp
-//                      per row, a separate pass for Af).
+// five compile-time switches, each turning ONE of the ideas above off. This file
+// is the stage itself, as the default build (no switch) compiles it; what a switch
+// puts in place of its idea is in ablations.cuh (with what each switch does).
 
 #include <cuda_runtime.h>
 
@@ -95,16 +83,21 @@ constexpr int kPad = 8;       // bf16 row padding of the MMA operand tiles (16 b
 constexpr int kThreads = 128; // K1: 4 warps
 constexpr float kL2Eps = 1e-6f;
 
-#if defined(KDA_NO_LOAD_WARP) && defined(KDA_NO_MBARRIER)
-#error "KDA_NO_LOAD_WARP and KDA_NO_MBARRIER are ablations of one idea each: build one at a time"
-#endif
-#ifdef KDA_NO_LOAD_WARP
-constexpr int kLoadWarps = 0;  // K2: the compute warps load their operands themselves
+// The ideas of K2 that an ablation switch turns off, as the default build has them.
+#ifndef KDA_NO_LOAD_WARP
+constexpr int kLoadWarps = 1;      // K2: one load warp (the last warp of the block)
 #else
-constexpr int kLoadWarps = 1;  // K2: one load warp (the last warp of the block)
+constexpr int kLoadWarps = 0;
 #endif
-#ifdef KDA_NO_REG_STATE
-constexpr int kSPad = 4;       // fp32 row padding of the shared state tile (stage 05's)
+#ifndef KDA_NO_MBARRIER
+constexpr bool kMbarrier = true;   // K2: FULL/EMPTY mbarriers per slot
+#else
+constexpr bool kMbarrier = false;
+#endif
+#ifndef KDA_NO_REG_STATE
+constexpr bool kRegState = true;   // K2: the fp32 state in registers
+#else
+constexpr bool kRegState = false;
 #endif
 
 // ---------------------------------------------------------------------------
@@ -229,6 +222,10 @@ __device__ __forceinline__ void async_tile(T* dst, const T* src, int lane) {
         *reinterpret_cast<uint128_t*>(dst + r * DST_LD + cv * kVec));
   }
 }
+
+// The ablations' code: what a switch compiles in place of this file's (none of it
+// runs in the default build).
+#include "ablations.cuh"
 
 // ===========================================================================
 // K1: prepare, one block per chunk
@@ -382,76 +379,7 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
     dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
   }
 #else
-  // ---- KDA_K1_STAGE05: stage 05's pre-stage, verbatim (one row at a time, three exps) ----
-  // ---- load + pre-stage (1/2): one warp per token row, lanes split the features.
-  //   qn = q / sqrt(sum q^2 + eps), kn likewise; a = lb * sigmoid(exp(A_log) (g + dt_bias));
-  //   beta = sigmoid(beta). Padded tokens (t >= T): q = k = v = 0, a = 0, beta = 0,
-  //   and global memory is not touched for them.
-  {
-    const float aexp = expf(p.A_log[h]);
-    const float* dtb = p.dt_bias + (size_t)h * K;
-    for (int c = warp; c < BT; c += kThreads / 32) {
-      const bool real = c < len;
-      const size_t row = real ? ((size_t)b * p.T + t0 + c) * p.H + h : 0;  // token row (b, t, h)
-      float qv[K / 32], kv[K / 32];
-      float sq = 0.f, sk = 0.f;
-#pragma unroll
-      for (int j = 0; j < K / 32; ++j) {
-        const int d = lane + 32 * j;
-        qv[j] = real ? static_cast<float>(q[row * K + d]) : 0.f;
-        kv[j] = real ? static_cast<float>(k[row * K + d]) : 0.f;
-        sq += qv[j] * qv[j];
-        sk += kv[j] * kv[j];
-      }
-      sq = warp_sum(sq);
-      sk = warp_sum(sk);
-      const float rq = 1.0f / sqrtf(sq + kL2Eps), rk = 1.0f / sqrtf(sk + kL2Eps);
-#pragma unroll
-      for (int j = 0; j < K / 32; ++j) {
-        const int d = lane + 32 * j;
-        sm.qn[c][d] = qv[j] * rq;
-        sm.kn[c][d] = kv[j] * rk;
-        const float x = real ? static_cast<float>(g[row * K + d]) + dtb[d] : 0.f;
-        sm.a[c][d] = real ? p.lower_bound * sigmoid_f(aexp * x) : 0.f;
-      }
-      for (int vd = lane; vd < V; vd += 32) sm.v[c][vd] = real ? v[row * V + vd] : bf16(0.f);
-      if (lane == 0) sm.beta[c] = real ? sigmoid_f(static_cast<float>(beta[row])) : 0.f;
-    }
-  }
-  __syncthreads();
-
-  // ---- load + pre-stage (2/2): one thread per key dimension d (a column of the chunk).
-  //   gc[c] = a[0] + ... + a[c]   (registers; glast = gc[BT - 1], flat over padded tokens)
-  //   kd = kn e^gc, ki = kn e^-gc, qd = scale qn e^gc   -> shared (bf16)
-  //   qd -> global [BT, K];  kr = kn e^(glast - gc) -> global as kr^T [K, BT] (row d
-  //   of kr^T is this thread's 16 values: two 16-byte stores);  exp(glast) -> global.
-  for (int d = tid; d < K; d += kThreads) {
-    float gc[BT];
-    float acc = 0.f;
-#pragma unroll
-    for (int c = 0; c < BT; ++c) {
-      acc += sm.a[c][d];
-      gc[c] = acc;
-    }
-    const float glast = acc;
-    gEl[d] = expf(glast);
-    uint32_t kr_row[BT / 2];  // row d of kr^T, two bf16 per word (low half = lower c)
-#pragma unroll
-    for (int c = 0; c < BT; ++c) {
-      const float e = expf(gc[c]);
-      const float knv = sm.kn[c][d];
-      sm.kd[c][d] = bf16(knv * e);
-      sm.ki[c][d] = bf16(knv * expf(-gc[c]));
-      const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
-      sm.qd[c][d] = qdv;
-      gQd[c * K + d] = qdv;
-      const uint32_t kr_bits = bf16(knv * expf(glast - gc[c])).raw();
-      kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
-    }
-    uint4* dst = reinterpret_cast<uint4*>(gKrT + (size_t)d * BT);  // 32-byte row, 16-byte aligned
-    dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
-    dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
-  }
+  k1_pre_stage05<K, V>(sm, p, tid, lane, warp, b, h, t0, len, q, k, g, v, beta, gQd, gKrT, gEl);  // (ablations.cuh)
 #endif
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRE, tp);
@@ -519,31 +447,7 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
     }
   }
 #else
-  // ---- KDA_K1_STAGE05: stage 05's inverse, verbatim (X overwrites L row by row) ----
-  // ---- inverse: X = (I + L)^-1, unit lower triangular, by forward substitution (fp32).
-  //   (I + L) X = I  =>  X[c, i] = -L[c, i] - sum_{i < m < c} L[c, m] X[m, i]   (i < c)
-  //   Row c needs only rows m < c of X: one warp walks the rows, lane i owns column i;
-  //   X overwrites L row by row (all lanes read row c of L before any lane writes it).
-  if (warp == 0) {
-    const int i = lane;
-    for (int c = 1; c < BT; ++c) {
-      float x = 0.f;
-      if (i < c) {
-        x = -sm.L[c][i];
-        for (int m = i + 1; m < c; ++m) x -= sm.L[c][m] * sm.L[m][i];
-      }
-      __syncwarp();
-      if (i < c) sm.L[c][i] = x;
-      __syncwarp();
-    }
-  }
-  __syncthreads();
-  //   Af = X * beta[None, :] (X's unit diagonal and zero upper triangle made explicit) -> bf16
-  for (int e = tid; e < BT * BT; e += kThreads) {
-    const int c = e / BT, i = e % BT;
-    const float x = (i < c) ? sm.L[c][i] : (i == c ? 1.f : 0.f);
-    sm.Af[c][i] = bf16(x * sm.beta[i]);
-  }
+  k1_inverse_stage05(sm, tid, lane, warp);  // stage 05's inverse (ablations.cuh)
 #endif
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
@@ -609,7 +513,7 @@ struct K2Smem {
                                            //   B (vd, c) of Aqk @ vcorr and kr^T @ vcorr
 #ifdef KDA_NO_REG_STATE
   alignas(16) float S[NCW][VW][K + kSPad]; // per compute warp: its fp32 state columns, S[vd][d]
-                                           //   (stage 05's layout: conflict-free C-fragment access)
+                                           //   (stage 05's layout, ablations.cuh: conflict-free C-fragment access)
 #endif
 #ifndef KDA_NO_MBARRIER
   uint64_t full[kStagesFor<K>];   // slot s holds its chunk: 32 load-warp lanes arrive (on copy completion)
@@ -631,7 +535,7 @@ struct K2Smem {
 // col0 + 16w .. col0 + 16w + 15), warp NCW loads. dynamic smem = sizeof(K2Smem).
 // Profile: slot = block index; compute warp 0's lane 0 times the compute
 // regions, the load warp's lane 0 the load-warp regions.
-// Ablations (file header): KDA_NO_LOAD_WARP drops warp NCW (block = 32 * NCW
+// Ablations (ablations.cuh): KDA_NO_LOAD_WARP drops warp NCW (block = 32 * NCW
 // threads); KDA_NO_MBARRIER runs the chunk loop on every warp, the load warp
 // included, with one __syncthreads per chunk; KDA_NO_REG_STATE keeps S in sm.S.
 // ---------------------------------------------------------------------------
@@ -698,26 +602,17 @@ __global__ void __launch_bounds__(32 * (NCW + kLoadWarps)) kda_recurrence_kernel
     cp_async_wait<0>();  // do not leave the kernel with copies in flight
     return;
 #else
-    // KDA_NO_MBARRIER: chunks 0 .. kStages - 2 now, one cp.async group each (empty
-    // groups past the last chunk keep the count uniform). Then the load warp joins
-    // the chunk loop below: every warp executes the same __syncthreads once per chunk.
-    for (int m = 0; m < kStages - 1; ++m) {
-      if (m < NT) issue(m, lane);
-      cp_async_fence();
-    }
+    NoMbarrier<kStages>::prologue(NT, lane, issue);  // the first chunks, then the chunk loop
     if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
 #endif
   }
 #endif
 
   // ===================== compute warp `warp`: 16 columns =====================
-#ifdef KDA_NO_MBARRIER
-  const bool computes = warp < NCW;    // the load warp runs the chunk loop too, for its barriers,
-  const int cwarp = computes ? warp : 0;  // with warp 0's views, which it never touches
-#else
-  constexpr bool computes = true;      // (the load warp has returned)
-  const int cwarp = warp;
-#endif
+  // (The load warp has returned. KDA_NO_MBARRIER: it runs the chunk loop too, for
+  // its barriers, with warp 0's views, which it never touches.)
+  const bool computes = kMbarrier || warp < NCW;
+  const int cwarp = computes ? warp : 0;
   const int cw0 = col0 + cwarp * VW;  // first global value column of this warp
   WarpMma mma;
   auto thr_mma = mma.get_slice(lane);
@@ -735,12 +630,9 @@ __global__ void __launch_bounds__(32 * (NCW + kLoadWarps)) kda_recurrence_kernel
   Tensor tCsSb = thr_mma.partition_C(sSbC);
   // The fp32 state of the warp's columns, resident in registers for the whole
   // loop as the accumulator fragment of the S update (K/16 x 2 MMA tiles).
-  // (KDA_NO_REG_STATE: the state lives in shared memory, tCsS; rS only holds it
+  // (KDA_NO_REG_STATE: the state lives in shared memory, sm.S; rS only holds it
   // during each chunk's update, loaded and decayed, accumulated, stored back.)
   Tensor rS = thr_mma.partition_fragment_C(cS);
-#ifdef KDA_NO_REG_STATE
-  Tensor tCsS = thr_mma.partition_C(smem_cols<VW, K, K + kSPad>(&sm.S[cwarp][0][0]));  // (MMA,K/16,2) (d, vd)
-#endif
   // C-fragment elements come in pairs of adjacent columns (e, e + 1): (c, vd), (c, vd + 1).
   static_assert(size<0>(decltype(tCcO.layout()){}) == 4, "SM80 16x8 accumulator: 4 values per lane");
 
@@ -751,16 +643,12 @@ __global__ void __launch_bounds__(32 * (NCW + kLoadWarps)) kda_recurrence_kernel
       const int d = get<0>(tCcS(e)), vd = get<1>(tCcS(e));
       const float2 s2 = h0 ? *reinterpret_cast<const float2*>(h0 + (size_t)d * V + cw0 + vd)
                            : make_float2(0.f, 0.f);
-#ifndef KDA_NO_REG_STATE
       rS(e) = s2.x;
       rS(e + 1) = s2.y;
-#else
-      tCsS(e) = s2.x;
-      tCsS(e + 1) = s2.y;
-#endif
       tCsSb(e) = bf16(s2.x);
       tCsSb(e + 1) = bf16(s2.y);
     }
+    if constexpr (!kRegState) NoRegState<K>::store(sm, cwarp, thr_mma, rS);
     __syncwarp();
   }
 
@@ -773,30 +661,14 @@ __global__ void __launch_bounds__(32 * (NCW + kLoadWarps)) kda_recurrence_kernel
     const int s = n % kStages;
     K2Slot<K, NCW>& st = sm.slot[s];
     const int t0 = n * BT;
-#if defined(KDA_NO_MBARRIER)
-    // The load warp waits for its own copies of chunk n (the group committed
-    // kStages - 1 groups ago); the block barrier then publishes them to every warp
-    // and tells the load warp that chunk n - 1 is done with: its slot is the one
-    // chunk n + kStages - 1 refills.
-    if (!computes) cp_async_wait<kStages - 2>();
-    __syncthreads();
-    if (!computes) {
-      if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
-      if (n + kStages - 1 < NT) issue(n + kStages - 1, lane);
-      cp_async_fence();
-      if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
-      continue;
+    if constexpr (kLoadWarps && kMbarrier) {
+      mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
+    } else if constexpr (!kLoadWarps) {
+      NoLoadWarp<kStages>::wait_chunk(sm, s, n, issue);
+    } else {
+      auto lap = [&](int region) { if (lane == 0) KDA_PROF_LAP(p.prof, blockIdx.x, region, tp); };
+      if (!NoMbarrier<kStages>::wait_chunk(computes, n, NT, lane, issue, lap)) continue;  // (the load warp)
     }
-#elif defined(KDA_NO_LOAD_WARP)
-    // The compute warps fill slot s themselves (once every compute warp has released
-    // its previous chunk, n - kStages) and wait for the copies right away.
-    if (n >= kStages) mbar_wait(&sm.empty[s], (n / kStages - 1) & 1);
-    issue(n, threadIdx.x);
-    mbar_arrive_on_copies(&sm.full[s]);
-    mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
-#else
-    mbar_wait(&sm.full[s], (n / kStages) & 1);  // chunk n is in slot s
-#endif
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_WAIT, tp);
 
     // ---- w @ S and qd @ S   (two C tiles (BT, VW); both read only S, so their MMAs
@@ -834,51 +706,36 @@ __global__ void __launch_bounds__(32 * (NCW + kLoadWarps)) kda_recurrence_kernel
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_OSTORE, tp);
 
     // ---- S = diag(exp(glast)) S + kr^T @ vcorr: decay in place, then accumulate ----
-#ifndef KDA_NO_REG_STATE
+    if constexpr (!kRegState) NoRegState<K>::load(sm, cwarp, thr_mma, rS);
     CUTE_UNROLL
     for (int e = 0; e < size(rS); ++e) rS(e) *= st.el[get<0>(tCcS(e))];
-#else
-    CUTE_UNROLL
-    for (int e = 0; e < size(rS); ++e) rS(e) = tCsS(e) * st.el[get<0>(tCcS(e))];  // from shared memory
-#endif
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_DECAY, tp);
     mma_smem(mma, lane, smem_rows<K, BT, BT + kPad>(&st.krT[0][0]), sVcB, rS);
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_KV, tp);
 
     // every read of slot s is done: hand it back to the load warp (for chunk n + kStages;
     // after the last chunks nobody waits, and the arrival is harmless)
-#ifndef KDA_NO_MBARRIER
-    mbar_arrive(&sm.empty[s]);
-#endif
+    if constexpr (kMbarrier) mbar_arrive(&sm.empty[s]);
     __syncwarp();  // all lanes' reads of Sb and vc for this chunk are done
     CUTE_UNROLL
-    for (int e = 0; e < size(rS); ++e) {
-      tCsSb(e) = bf16(rS(e));
-#ifdef KDA_NO_REG_STATE
-      tCsS(e) = rS(e);  // the fp32 state back to shared memory (each lane its own elements)
-#endif
-    }
+    for (int e = 0; e < size(rS); ++e) tCsSb(e) = bf16(rS(e));
+    if constexpr (!kRegState) NoRegState<K>::store(sm, cwarp, thr_mma, rS);
     __syncwarp();  // the new bf16 state is complete before the next chunk's w @ S
     if (threadIdx.x == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2_SCOPY, tp);
   }
 
-#ifdef KDA_NO_MBARRIER
-  if (!computes) {
-    cp_async_wait<0>();  // (only empty groups can be left)
+  if (!computes) {  // KDA_NO_MBARRIER: the load warp is done (only empty copy groups can be left)
+    cp_async_wait<0>();
     return;
   }
-#endif
 
   // ---- final state: ht[:, cols] = S (float2 stores) ----
   float* ht = p.ht + (size_t)bh * K * V;
+  if constexpr (!kRegState) NoRegState<K>::load(sm, cwarp, thr_mma, rS);
   CUTE_UNROLL
   for (int e = 0; e < size(rS); e += 2) {
     const int d = get<0>(tCcS(e)), vd = get<1>(tCcS(e));
-#ifndef KDA_NO_REG_STATE
     *reinterpret_cast<float2*>(ht + (size_t)d * V + cw0 + vd) = make_float2(rS(e), rS(e + 1));
-#else
-    *reinterpret_cast<float2*>(ht + (size_t)d * V + cw0 + vd) = make_float2(tCsS(e), tCsS(e + 1));
-#endif
   }
 }
 
