@@ -87,9 +87,9 @@ def newest_anchor():
 PATHS_RECORDED = {
     "08": dict(table="stage08/paths_04c36d6", profile="stage08/paths_04c36d6",
                profile_path="split1", profile_shape=dict(B=1, T=32768, H=16, K=128, V=128)),
-    "09": dict(table="stage09/paths_04c36d6", profile="stage09/paths_04c36d6",
+    "09": dict(table="stage09/paths_04c36d6", profile="stage09/profile_2bcc81f",
                profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
-    "10": dict(table="stage10/paths_04c36d6", profile="stage10/paths_04c36d6",
+    "10": dict(table="stage10/paths_04c36d6", profile="stage10/profile_2bcc81f",
                profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
 }
 
