@@ -48,10 +48,9 @@ NOT_MEASURED = {
     ("stages/06_ws_pipeline/README.md", "and 7.2% once"): "the seed's own H20 profile (shared/seed)",
     ("notebooks/06_ws_pipeline.ipynb", "at 24% of K2, and 7.2% once"): "the seed's own H20 profile (shared/seed)",
     ("docs/PERF_NOTES.md", "throughput 85%"): "an Nsight Compute reading of that session (not stored in results/)",
-    ("stages/09_smem_diet/README.md", "throughput 85%"): "an Nsight Compute reading (PERF_NOTES outcome 11; not stored in results/)",
+    ("stages/10_smem_diet/README.md", "throughput 85%"): "an Nsight Compute reading (PERF_NOTES outcome 11; not stored in results/)",
     ("stages/04_warp/README.md", "gradients at 1.03e-5 from fp64"): "the figure of a report (issue 22), not reproduced",
     ("stages/04_warp/README.md", "h0), 8.5e-6 before"): "the figure of a report (issue 22), not reproduced",
-    ("notebooks/09_smem_diet.ipynb", "at 85% of its"): "an Nsight Compute reading (PERF_NOTES outcome 11; not stored in results/)",
 }
 
 # Evidence below which a proposed entry is marked for review: a figure of two significant digits (a

@@ -36,7 +36,7 @@ from common.build import load_extension  # noqa: E402
 from common.results import metadata  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
-STAGE = "09"  # the last stage: its variants are the candidates for the next change
+STAGE = "10"  # the last stage: its variants are the candidates for the next change
 WORK = ROOT / "build" / "variants"  # copies of the stage's sources for file variants
 
 
@@ -69,8 +69,9 @@ def build_variant(stage, name, src, defines, profile):
     if src is not None:  # the stage's directory with kda.cu replaced
         d = WORK / name
         d.mkdir(parents=True, exist_ok=True)
-        for f in stage.SOURCES + ["kda.h"]:
-            shutil.copy2(here / f, d / f)
+        for f in here.iterdir():  # every source of the stage (kda.cu includes its kernel files)
+            if f.suffix in (".cu", ".cuh", ".h", ".cpp"):
+                shutil.copy2(f, d / f.name)
         shutil.copy2(ROOT / src, d / "kda.cu")
         here = d
     # every variant gets a define, so that it has its own module and build directory

@@ -169,5 +169,7 @@ def test_a_notebook_cell_naming_a_commit_quotes_that_record():
 
 
 def test_the_commit_check_catches_figures_of_another_record():
-    """Planted: the cells that name d91b051 read as if they named 43a6112 must fail."""
-    assert _off_record(lambda sha: "43a6112" if sha == "d91b051" else sha)
+    """Planted: the cells that name 04c36d6 (stages 08-10 timed in one call) read as if they named 614c372
+    (the checks and switches of 08 and 09) must fail."""
+    assert any(sha == "04c36d6" for _, _, sha, _ in _cells_naming_one_commit())
+    assert _off_record(lambda sha: "614c372" if sha == "04c36d6" else sha)
