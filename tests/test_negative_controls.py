@@ -249,7 +249,8 @@ def test_every_stage_is_compared_with_its_previous_stage(sid, monkeypatch):
     backward), the error against that stage's own output: the stages stand in
     for themselves on the CPU, the previous one off by exactly DELTA."""
     stand_ins = {sid: _ladder_stand_in(sid, 0.0), previous(sid): _ladder_stand_in(previous(sid), DELTA)}
-    monkeypatch.setattr(checks, "load_stage", lambda s: stand_ins[s])
+    stand_ins[sid].previous = stand_ins[previous(sid)]  # the ladder as check_case walks it (common.stages.stage)
+    monkeypatch.setattr(checks, "ladder_stage", lambda s: stand_ins[s if isinstance(s, str) else s.SPEC.id])
     spec = stand_ins[sid].SPEC
     case = (checks.Case(1, 37, 1, 64, 64, chunk=16, gate="bounded", lower_bound=-5.0, seed=1)
             if spec.head_dims else RAGGED)
