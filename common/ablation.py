@@ -81,12 +81,7 @@ def _timings(st, spec, shape, budget_s: float) -> dict:
             st.forward(**kw)
 
     out = {"fwd_" + k: v for k, v in _time(f, budget_s).items()}
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    f()
-    torch.cuda.synchronize()
-    out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20  # what one call adds to memory
+    out["peak_mb"] = bench.peak_mb(f)  # what one call adds to memory, MB as in the paths tables
     if spec.backward:  # the variant's own build: bench's backward closure calls st.build()
         out.update({"bwd_" + k: v for k, v in _time(bench._backward_fn(st, kw, "cuda"), budget_s).items()})
     return out
