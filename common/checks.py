@@ -262,7 +262,7 @@ def check_case(stage, case: Case, *, device=None, backward=None, against_prev=Tr
     rdev = torch.device(ref_device) if ref_device is not None else dev
     ref = run(kda_reference, inp, rdev, backward=backward, cotangents=cot, dtype=torch.float64)
     if prev is _DEFAULT:
-        prev = (stage.previous if isinstance(stage, Stage) else ladder_stage(spec.id).previous) if against_prev else None
+        prev = ladder_stage(spec.id).previous if against_prev else None
     pres = None
     if prev is not None:
         pdev = stage_device(prev.SPEC, dev)

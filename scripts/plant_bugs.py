@@ -36,8 +36,7 @@ MUTATIONS = {
         "common/checks.py", '    r = rel_err(x, ref)\n    if scale is None or r == math.inf:\n        return r',
         "    r = rel_err(x, ref)\n    return r if r == math.inf else 0.0"),
     "checks: no comparison with the previous stage": (
-        "common/checks.py", "prev = (stage.previous if isinstance(stage, Stage) else ladder_stage(spec.id).previous) if against_prev else None",
-        "prev = None"),
+        "common/checks.py", "prev = ladder_stage(spec.id).previous if against_prev else None", "prev = None"),
     "checks: outputs not poisoned": (
         "common/checks.py", "with poisoned(), torch.set_grad_enabled(backward):", "with torch.set_grad_enabled(backward):"),
     "checks: check_deterministic always true": (

@@ -5,36 +5,17 @@ import re
 
 import pytest
 
-from common.stages import STAGE_DIRS, load_stage, stage_ids
+from common.stages import STAGE_DIRS, lesson_source, load_stage, stage_ids, strip_ablations
 from common.paths import STAGES_DIR
 
 # stage.py constant -> the constexpr of the stage's sources it mirrors
 MIRRORED = {"PREP_TEAMS": "kPrepTeams", "SEGMENT_CHUNKS": "kSegmentChunks"}
 
 
-def _default_build(text: str) -> str:
-    """The text the default build compiles: the branches of `#ifdef KDA_*` (an
-    ablation's switch) dropped, their `#else` branches kept."""
-    out, stack = [], []  # stack: True where the current branch is an ablation's
-    for line in text.splitlines():
-        m = re.match(r"\s*#\s*(ifdef|ifndef|if|else|elif|endif)\b\s*(\S*)", line)
-        if m:
-            kw, arg = m.groups()
-            if kw in ("ifdef", "ifndef", "if"):
-                stack.append(kw == "ifdef" and arg.startswith("KDA_") and arg != "KDA_PROFILE")
-            elif kw in ("else", "elif") and stack:
-                stack[-1] = False
-            elif kw == "endif" and stack:
-                stack.pop()
-            continue
-        if not any(stack):
-            out.append(line)
-    return "\n".join(out)
-
-
 def _sources(sid) -> str:
+    """Every source file of the stage as its default build sees it (the ablation switches resolved)."""
     d = STAGES_DIR / STAGE_DIRS[sid]
-    return "\n".join(_default_build(f.read_text()) for f in sorted(d.iterdir())
+    return "\n".join("\n".join(lesson_source(sid, f.name)) for f in sorted(d.iterdir())
                      if f.suffix in (".cu", ".cuh", ".h", ".cpp"))
 
 
@@ -56,7 +37,8 @@ def test_stage_constants_equal_the_kernels(sid):
 
 def test_default_build_drops_an_ablation_branch():
     text = "#ifdef KDA_ONE\nconstexpr int kX = 1;\n#else\nconstexpr int kX = 2;\n#endif\n#ifdef KDA_PROFILE\nkeep\n#endif"
-    assert _default_build(text).split() == ["constexpr", "int", "kX", "=", "2;", "keep"]
+    seen = strip_ablations(text, ["KDA_ONE"])
+    assert re.findall(r"kX = (\d)", seen) == ["2"] and "keep" in seen  # the default's value; the profile build's code
 
 
 def test_the_fused_stages_have_their_prepare_teams():

@@ -8,37 +8,18 @@ import re
 import pytest
 
 from common.paths import STAGES_DIR
-from common.stages import STAGE_DIRS, load_stage, stage_ids
+from common.stages import STAGE_DIRS, load_stage, stage_ids, strip_ablations
 
 LIMIT = 0.10
 SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
-_DIRECTIVE = re.compile(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b(.*)")
+_DIRECTIVE = re.compile(r"\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b")
 
 
 def ablation_only_lines(text: str, defines) -> int:
-    """Lines compiled only when one of ``defines`` is set (directives not counted)."""
-    stack, n = [], 0  # per open conditional: "ab" (an ablation's branch), "def" (the default's), None
-    for line in text.splitlines():
-        m = _DIRECTIVE.match(line)
-        if m:
-            kw, rest = m.groups()
-            named = any(re.search(rf"\b{d}\b", rest) for d in defines)
-            if kw == "ifdef":
-                stack.append("ab" if named else None)
-            elif kw == "ifndef":
-                stack.append("def" if named else None)
-            elif kw == "if":
-                stack.append(("def" if "!" in rest else "ab") if named else None)
-            elif kw == "else" and stack and stack[-1]:
-                stack[-1] = "def" if stack[-1] == "ab" else "ab"
-            elif kw == "elif" and stack and stack[-1]:
-                stack[-1] = "ab"
-            elif kw == "endif" and stack:
-                stack.pop()
-            continue
-        if "ab" in stack:
-            n += 1
-    return n
+    """Lines compiled only when one of ``defines`` is set: the code lines that the
+    default build's view (common.stages.strip_ablations) leaves out."""
+    code = lambda t: sum(1 for line in t.splitlines() if not _DIRECTIVE.match(line))  # noqa: E731
+    return code(text) - code(strip_ablations(text, defines))
 
 
 def kernel_sources(sid):

@@ -82,22 +82,24 @@ def build(profile=False, verbose=False, ablation=None):
 def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None):
     """The stage contract (DESIGN.md section 5). Returns (o, final_state)."""
-    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None  # before any check
+    # the pin is checked first (prepare refuses a v that is no [B, T, H, V] tensor, so pin is set past it)
+    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.run(build(), SPEC, c, path=pin or _path_args(c.V))
+    return extrun.run(build(), SPEC, c, path=pin)
 
 
 def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
             backward=False):
     """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
-    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None  # before any check
+    # the pin is checked first (prepare refuses a v that is no [B, T, H, V] tensor, so pin is set past it)
+    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, gate=gate,
                 lower_bound=lower_bound, chunk_size=chunk_size)
-    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=pin or _path_args(c.V))
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=pin)
 
 
 # The segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
