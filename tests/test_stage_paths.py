@@ -194,6 +194,8 @@ def test_path_rows_time_every_path_and_pass_the_notebook_checks(sid):
     problems = {(r["stage"], r["path"]): path_problems(r, pid) for r in rows}
     assert not any(problems.values()), problems
     assert all(r[f"equal_to_{pid}"] for r in rows if r["path"] in ("rule", "split1", "split2"))
-    if pid != "07":  # held to the previous stage's same path
-        assert [r.get("vs_path") for r in rows[1:]] == ["rule"] + [p for p in S.PATHS if p != "fused8"]
+    prev_paths = getattr(load_stage(pid), "PATHS", {})
+    if prev_paths:  # held to the previous stage's same path where it has it (08: split only), else to its rule
+        assert [r.get("vs_path") for r in rows[1:]] == ["rule"] + [
+            p if p in prev_paths else "rule" for p in S.PATHS if p != "fused8"]
     assert all(r["peak_mb"] > 0 and r["fwd_ms"] > 0 for r in rows)
