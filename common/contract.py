@@ -4,6 +4,9 @@
         scale=None, initial_state=None, output_final_state=True,
         gate="softplus" | "bounded", lower_bound=None, chunk_size=None)
 
+A stage whose spec says ``varlen`` also takes ``cu_seqlens`` (packed sequences,
+FLA's convention) and ``state_v_first`` (the state as [N, H, V, K]).
+
 Each stage declares what it supports in a :class:`StageSpec`; :func:`prepare`
 checks a call against it and raises a ``TypeError`` / ``ValueError`` naming the
 argument before any kernel runs, then returns the converted, contiguous
@@ -45,6 +48,7 @@ class StageSpec:
     equal_kv: bool = False  # K must equal V
     compute_dtype: torch.dtype = torch.float32  # q, k, v, g, beta converted to this
     backward: bool = True
+    varlen: bool = False  # takes cu_seqlens (packed sequences) and state_v_first (the state [N, H, V, K])
     regions: tuple = ()  # profile region names, in kernel order
     region_unit: str = "s"  # "s" (CPU wall time) or "cycles" (clock64)
     notes: str = ""
@@ -124,10 +128,27 @@ class Call:
     H: int
     K: int
     V: int
+    # packed sequences (a varlen stage): cu_seqlens int32 [N + 1] on the device, N sequences, the
+    # longest max_seqlen tokens; without them N = B (sequence i is batch row i) and max_seqlen = T
+    cu_seqlens: torch.Tensor | None = None
+    N: int | None = None
+    max_seqlen: int | None = None
+    state_v_first: bool = False  # initial_state and final_state [N, H, V, K] instead of [N, H, K, V]
+
+    def __post_init__(self):
+        if self.N is None:
+            self.N = self.B
+        if self.max_seqlen is None:
+            self.max_seqlen = self.T
 
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    @property
+    def state_shape(self) -> tuple:
+        """The shape of initial_state and final_state: [N, H, K, V], or [N, H, V, K] V-first."""
+        return (self.N, self.H, self.V, self.K) if self.state_v_first else (self.N, self.H, self.K, self.V)
 
 
 # --------------------------------------------------------------------------
@@ -206,6 +227,33 @@ def check_gate(gate, lower_bound, spec: StageSpec | None = None) -> tuple[str, i
     return gate, GATE_ID[gate], lb
 
 
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, int, int]:
+    """Validate packed sequences (FLA's convention) on a CPU copy: a 1-D int32 or int64
+    tensor [N + 1] on ``device`` with cu[0] == 0, non-decreasing, cu[-1] == T, and B == 1.
+    Returns (cu_seqlens as int32 on the device, N, the longest sequence's length)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}; all inputs must be on one device")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed into one batch row: q must be [1, T, H, K], "
+                         f"got B = {B}")
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        i = int(torch.nonzero(lengths < 0)[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu[{i}] = {int(cu[i])} > cu[{i + 1}] = {int(cu[i + 1])}")
+    if int(cu[-1]) != T:
+        raise ValueError(f"cu_seqlens must end at T = {T} (q.shape[1]), got {int(cu[-1])}")
+    return cu_seqlens.to(torch.int32).contiguous(), cu.numel() - 1, int(lengths.max())
+
+
 def prepare(
     spec: StageSpec,
     q,
@@ -222,9 +270,19 @@ def prepare(
     gate="softplus",
     lower_bound=None,
     chunk_size=None,
+    cu_seqlens=None,
+    state_v_first=False,
 ) -> Call:
-    """Check a call against ``spec`` and return it converted (see module doc)."""
+    """Check a call against ``spec`` and return it converted (see module doc).
+    ``cu_seqlens`` and ``state_v_first`` only for a stage whose spec says ``varlen``."""
     gate, gate_id, lb = check_gate(gate, lower_bound, spec)
+    if not isinstance(state_v_first, bool):
+        raise TypeError(f"state_v_first must be a bool, got {type(state_v_first).__name__}")
+    if not spec.varlen:
+        if cu_seqlens is not None:
+            raise ValueError(f"stage {spec.name} does not take packed sequences; pass cu_seqlens=None")
+        if state_v_first:
+            raise ValueError(f"stage {spec.name} takes the state as [B, H, K, V] only; pass state_v_first=False")
 
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check_tensor(name, x, spec)
@@ -252,8 +310,14 @@ def prepare(
     _check_shape("beta", beta, (B, T, H), "[B, T, H]")
     _check_shape("A_log", A_log, (H,), "[H]")
     _check_shape("dt_bias", dt_bias, (H, K), "[H, K]")
+    N, max_seqlen = B, T
+    if cu_seqlens is not None:
+        cu_seqlens, N, max_seqlen = check_cu_seqlens(cu_seqlens, B, T, dev)
     if initial_state is not None:
-        _check_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+        n = "N" if cu_seqlens is not None else "B"
+        want, labels = ((N, H, V, K), f"[{n}, H, V, K] (state_v_first)") if state_v_first else \
+            ((N, H, K, V), f"[{n}, H, K, V]")
+        _check_shape("initial_state", initial_state, want, labels)
 
     if spec.head_dims is not None:
         if K not in spec.head_dims:
@@ -308,5 +372,5 @@ def prepare(
         initial_state=None if initial_state is None else conv(initial_state, torch.float32),
         scale=scale, gate=gate, gate_id=gate_id, lower_bound=lb, chunk_size=chunk_size,
         output_final_state=output_final_state, out_dtype=v.dtype,
-        B=B, T=T, H=H, K=K, V=V,
+        B=B, T=T, H=H, K=K, V=V, cu_seqlens=cu_seqlens, N=N, max_seqlen=max_seqlen, state_v_first=state_v_first,
     )

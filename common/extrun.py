@@ -10,7 +10,9 @@ in preallocated (so checks can poison them):
         dh0 | None, prof | None)
 
 o is [B, T, H, V] in the stage's compute dtype (float32 for 01-04, bfloat16
-for the tensor-core stages), ht is float32 [B, H, K, V]; every gradient is
+for the tensor-core stages), ht is float32 [B, H, K, V] (a varlen stage's call
+with packed sequences or the V-first state: [N, H, K, V] or [N, H, V, K], and
+fwd takes cu_seqlens, max_seqlen, state_v_first by name); every gradient is
 float32 in the shape of its input. ``prof`` is the profile buffer of the -DKDA_PROFILE
 build (None otherwise): float64 seconds [1, 20] on the CPU, int64 cycles
 [slots, 16] on the GPU (see common/include/kda_profile.cuh).
@@ -27,12 +29,23 @@ from .contract import Call, StageSpec, alloc
 MAX_REGIONS = 20  # common/include/kda_profile.cuh KDA_MAX_REGIONS
 
 
+def _layout_args(c: Call) -> dict:
+    """fwd's keyword arguments for packed sequences and the V-first state (none for a plain call,
+    so that the stages without them are called as before)."""
+    kw = {}
+    if c.cu_seqlens is not None:
+        kw.update(cu_seqlens=c.cu_seqlens, max_seqlen=c.max_seqlen)
+    if c.state_v_first:
+        kw["state_v_first"] = True
+    return kw
+
+
 def _fwd(ext, c: Call, prof=None, path=None):
     dev = c.device
     o = alloc((c.B, c.T, c.H, c.V), c.q.dtype, dev)
-    ht = alloc((c.B, c.H, c.K, c.V), torch.float32, dev)
+    ht = alloc(c.state_shape, torch.float32, dev)
     ext.fwd(c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state, c.scale, c.gate_id,
-            c.lower_bound, c.chunk_size, o, ht, prof, **(path or {}))
+            c.lower_bound, c.chunk_size, o, ht, prof, **(path or {}), **_layout_args(c))
     return o, ht
 
 
@@ -96,7 +109,8 @@ def backward(ext, c: Call, do, dht):
 def _prof_buffer(spec: StageSpec, c: Call):
     if c.device.type == "cpu":
         return torch.zeros(1, MAX_REGIONS, dtype=torch.float64)
-    slots = c.B * c.H * max(math.ceil(c.T / 16), 16)
+    # one slot per chunk of the longest sequence and (sequence, head), or per block (at most 16 per head)
+    slots = c.N * c.H * max(math.ceil(c.max_seqlen / 16), 16)
     return torch.zeros(slots, MAX_REGIONS, dtype=torch.int64, device=c.device)
 
 

@@ -29,6 +29,7 @@ STAGE_DIRS = {
     "08": "08_segments",
     "09": "09_fused",
     "10": "10_smem_diet",
+    "11": "11_varlen",
 }
 
 _CACHE: dict = {}

@@ -17,6 +17,9 @@ from common.nbcheck import draws, errors, figure_problem, missing_figures
 from common.paths import REPO_ROOT
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+# Stages without a notebook yet (added since the last GPU run: a notebook shows recorded H200 figures, and
+# there are none yet). A stage leaves this set with its notebook (the test below holds that).
+PENDING = {"11_varlen"}
 
 
 def _load(path):
@@ -39,7 +42,7 @@ def test_every_stage_has_a_notebook():
     from common.stages import STAGE_DIRS, stage_ids
 
     names = {p.stem for p in NOTEBOOKS}
-    assert [STAGE_DIRS[s] for s in stage_ids() if STAGE_DIRS[s] not in names] == []
+    assert [STAGE_DIRS[s] for s in stage_ids() if STAGE_DIRS[s] not in names] == sorted(PENDING)
     assert "summary" in names
 
 

@@ -28,6 +28,9 @@ EXPECT = {
                plot={"0.574", "0.805", "1.88"}, mem={"168", "662", "2.2"},
                prepare=4.39e3, chain=4.08e3, wait=407, chain_label="the chain: 4.1e3"),
 }
+# Stages with PATHS that have no recorded paths file yet (scripts/bench_paths.py not run on an H200 since they
+# were added): they need one, and their figures here, before they leave this set (the test below holds that).
+PENDING = {"11"}
 FUSED = [sid for sid in EXPECT if "prepare" in EXPECT[sid]]  # the stages with the fused kernel
 REC = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["table"]) for sid in EXPECT}
 PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid in EXPECT}
@@ -39,8 +42,20 @@ def sid(request):
 
 
 def test_every_stage_with_paths_has_its_record_and_figures_here():
-    """A new stage with PATHS needs its recorded file (PATHS_RECORDED) and its figures in EXPECT."""
-    assert set(path_stages()) == set(EXPECT) == set(notebook.PATHS_RECORDED)
+    """A new stage with PATHS needs its recorded file (PATHS_RECORDED) and its figures in EXPECT, or is PENDING."""
+    assert set(path_stages()) - PENDING == set(EXPECT) == set(notebook.PATHS_RECORDED)
+
+
+def test_pending_path_stages_are_not_yet_measured():
+    """A PENDING stage is one with paths and no record: once its record is in PATHS_RECORDED (or its paths
+    file in results/h200/), it must leave PENDING and get its figures in EXPECT."""
+    from common.paths import REPO_ROOT
+
+    assert PENDING <= set(path_stages()), "a PENDING stage without paths: drop it from PENDING"
+    for sid in PENDING:
+        assert sid not in notebook.PATHS_RECORDED and sid not in EXPECT, sid
+        assert not list((REPO_ROOT / "results" / "h200" / f"stage{sid}").glob("paths_*.json")), \
+            f"stage {sid} has a recorded paths file: move it out of PENDING"
 
 
 def _row(rows, stage, path, shape=B8):

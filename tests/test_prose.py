@@ -24,6 +24,8 @@ DOCS = prose.documents()
 FIGS = prose.all_figures(DOCS)
 INDEX = prose.load_index()
 MEASURED = [f for f in FIGS if "not_measured" not in INDEX.get(prose.key_str(f.key), {})]
+# Stages without a notebook yet (tests/test_notebooks.py PENDING: no recorded H200 figures to show yet).
+NOTEBOOK_PENDING = {"11_varlen"}
 
 
 def test_every_measured_figure_is_its_record():
@@ -39,8 +41,10 @@ def test_the_documents_are_the_whole_prose():
     want = {"README.md", "docs/PERF_NOTES.md", "docs/DESIGN.md", "docs/RESULTS.md", "docs/GUIDE.md", "docs/GLOSSARY.md",
             "notebooks/summary.ipynb"}
     want |= {f"stages/{d}/README.md" for d in STAGE_DIRS.values()}
-    want |= {f"notebooks/{d}.ipynb" for d in STAGE_DIRS.values()}
+    want |= {f"notebooks/{d}.ipynb" for d in STAGE_DIRS.values() if d not in NOTEBOOK_PENDING}
     assert want <= docs, sorted(want - docs)
+    assert not {f"notebooks/{d}.ipynb" for d in NOTEBOOK_PENDING} & docs, "a pending notebook exists: drop it from " \
+                                                                          "NOTEBOOK_PENDING"
     per_doc = {d: sum(f.doc == d for f in FIGS) for d in docs}
     assert per_doc["docs/PERF_NOTES.md"] > 50 and per_doc["README.md"] > 5, per_doc
 

@@ -52,6 +52,11 @@ def test_stage_readmes_measured_blocks_are_current():
         assert stage_readme_block(name) in text, f"{name}/README.md is stale: run `kdalab results --write-readme`"
 
 
+# Stages with paths whose paths table is not yet recorded (no results/h200/stageNN/paths_*.json): their README has
+# no paths table yet. A stage leaves this set with its first recorded paths file (the test below holds that).
+PATHS_PENDING = {"11"}
+
+
 def test_the_paths_tables_peak_columns_are_their_paths():
     """In the stages with paths, "peak MB split" is the split path's peak and "peak MB rule" the rule's (the
     split column once held the rule's: 21 MB where the split path needs 109 at B1 T1024 H64)."""
@@ -59,7 +64,13 @@ def test_the_paths_tables_peak_columns_are_their_paths():
 
     from common.stages import STAGE_DIRS, path_stages
 
+    assert PATHS_PENDING <= set(path_stages()), "a PATHS_PENDING stage without paths: drop it from PATHS_PENDING"
+    for sid in sorted(PATHS_PENDING):
+        assert not list((REPO_ROOT / "results" / "h200" / f"stage{sid}").glob("paths_*.json")), \
+            f"stage {sid} has a recorded paths file: drop it from PATHS_PENDING"
     for sid in path_stages():
+        if sid in PATHS_PENDING:
+            continue  # not yet measured (checked just above)
         text = (REPO_ROOT / "stages" / STAGE_DIRS[sid] / "README.md").read_text()
         lines = [line for line in text.splitlines() if line.startswith("| ") and "peak MB split" in line]
         assert len(lines) == 1, sid

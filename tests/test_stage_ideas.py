@@ -12,6 +12,9 @@ from common.stages import STAGE_DIRS, load_stage, stage_ids
 HEADING = "## Ideas and what each bought"
 MAX_IDEAS = 4
 TC_STAGES = [s for s in stage_ids() if int(s) >= 5]
+# Stages whose ideas are not yet measured on the H200 (added since the last GPU run): each idea's row says
+# "pending" where its figure goes, and the stage leaves this set with its first recorded figure.
+PENDING = {"11"}
 
 
 def ideas_section(text: str) -> str:
@@ -35,13 +38,21 @@ def test_stage_readme_lists_at_most_four_ideas_with_their_switches(sid):
     assert section, f"stage {sid}'s README has no '{HEADING}' section"
     rows = idea_rows(section)
     assert 1 <= len(rows) <= MAX_IDEAS, f"stage {sid}: {len(rows)} ideas (at most {MAX_IDEAS})"
-    for row in rows:  # every idea says what it bought: a measured figure in its row
-        assert re.search(r"\d", row.split("|")[-2]), f"stage {sid}: no measured effect in {row!r}"
+    for row in rows:  # every idea says what it bought: a measured figure in its row (pending: says so)
+        bought = row.split("|")[-2]
+        if sid in PENDING:
+            assert "pending" in bought and not re.search(r"\d", bought), f"stage {sid} (pending): {row!r}"
+        else:
+            assert re.search(r"\d", bought), f"stage {sid}: no measured effect in {row!r}"
     defines = [a.define for a in getattr(load_stage(sid), "ABLATIONS", ())]
     for d in defines:
         assert d in section, f"stage {sid}: switch {d} is not named beside its idea"
     if not defines:
         assert "no switch" in section, f"stage {sid} has no ABLATIONS: its section must say why (one idea, no switch)"
+
+
+def test_pending_stages_exist():
+    assert PENDING <= set(TC_STAGES), "a PENDING stage that no longer exists: drop it from PENDING"
 
 
 def test_the_check_reads_a_planted_section():
