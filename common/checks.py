@@ -429,3 +429,311 @@ def format_rows(rows, *, columns=("stage", "case", "output", "err_ref", "err_pre
 
     head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     return head + "".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |\n" for r in rows)
+
+
+# --------------------------------------------------------------------------
+# packed sequences (cu_seqlens)
+# --------------------------------------------------------------------------
+#
+# A packed call holds N sequences of different lengths in one [1, T, H, *]
+# tensor, cut by cu_seqlens [N + 1] (0 = cu[0] <= cu[1] <= ... <= cu[N] = T);
+# each sequence starts from its own initial state and ends in its own final
+# state ([N, H, K, V], or [N, H, V, K] with state_v_first). The check holds a
+# packed call to the fp64 token loop run sequence by sequence and to the stage
+# itself called once per sequence without cu_seqlens (its equal-length path).
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    """One packed call: the sequence lengths (0 allowed), heads, head sizes,
+    initial states present or not, the state layout, the gate's lower bound,
+    the dtype of cu_seqlens and the seed; ``name`` labels a named shape
+    (FlashKDA's). Always bf16-regime inputs (bounded gate, chunk 16)."""
+
+    lengths: tuple
+    H: int
+    K: int
+    V: int
+    h0: bool = True
+    state_v_first: bool = False
+    lower_bound: float = -5.0
+    cu_dtype: str = "int32"  # "int32" or "int64" (FlashKDA's)
+    seed: int = 0
+    name: str = ""
+
+    @property
+    def N(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def T(self) -> int:
+        return sum(self.lengths)
+
+    def bounds(self) -> list[int]:
+        """cu_seqlens as a list: [0, l0, l0 + l1, ..., T]."""
+        out = [0]
+        for n in self.lengths:
+            out.append(out[-1] + n)
+        return out
+
+    def cu_seqlens(self, device="cpu") -> torch.Tensor:
+        dt = {"int32": torch.int32, "int64": torch.int64}[self.cu_dtype]
+        return torch.tensor(self.bounds(), dtype=dt, device=device)
+
+    @property
+    def id(self) -> str:
+        lens = "L" + "_".join(map(str, self.lengths)) if self.N <= 8 else f"N{self.N}-T{self.T}"
+        return (f"{self.name + '-' if self.name else ''}{lens}-H{self.H}-K{self.K}-V{self.V}-lb{self.lower_bound:g}"
+                f"-{'vfirst' if self.state_v_first else 'kfirst'}-{self.cu_dtype}{'' if self.h0 else '-noh0'}"
+                f"-s{self.seed}")
+
+
+def random_lengths(n: int, lo: int, hi: int, seed: int) -> tuple:
+    """``n`` sequence lengths drawn uniformly from [lo, hi] (seeded, CPU generator)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=gen))
+
+
+# FlashKDA's varlen test shape (its tests/test_fwd.py): six sequences at H = 96, K = V = 128.
+FLASHKDA_VARLEN_LENGTHS = (1300, 547, 2048, 963, 271, 3063)
+FLASHKDA_VARLEN = VarlenCase(FLASHKDA_VARLEN_LENGTHS, H=96, K=128, V=128, h0=True, state_v_first=True,
+                             lower_bound=-5.0, cu_dtype="int64", seed=47, name="flashkda")
+
+
+def varlen_cases(big: bool = True):
+    """Packed-sequence cases for the tensor-core stages (K = V in {64, 128}):
+    ragged lengths with 0, 1, 15, 16 and 17 tokens (shorter than, equal to and
+    one past a 16-token chunk), empty sequences first, inside and last, N*H
+    above the H200's 132 SMs and below, h0 present and absent, both state
+    layouts, four lower bounds, cu_seqlens int32 and int64. ``big`` adds
+    FlashKDA's varlen shape (T = 8192 at H = 96: a GPU case, its fp64
+    reference is slow on a CPU)."""
+    cases = [
+        VarlenCase((1, 15, 16, 17, 0, 40), H=2, K=64, V=64, h0=True, state_v_first=False, lower_bound=-5.0,
+                   cu_dtype="int32", seed=41),
+        VarlenCase((17, 0, 1, 100, 16, 15), H=3, K=128, V=128, h0=False, state_v_first=True, lower_bound=-2.0,
+                   cu_dtype="int64", seed=42),
+        # many sequences: N*H = 140 > 132 SMs (the first three fixed, the rest random 0..40)
+        VarlenCase((0, 1, 16) + random_lengths(67, 0, 40, seed=43), H=2, K=64, V=64, h0=True, state_v_first=True,
+                   lower_bound=-5.0, cu_dtype="int32", seed=43),
+        # many heads: N*H = 240, empty sequences first and last
+        VarlenCase((0, 33, 1, 64, 5, 0), H=40, K=128, V=128, h0=True, state_v_first=False, lower_bound=-1.0,
+                   cu_dtype="int64", seed=44),
+        # sequences of many chunks with tails, next to a single token
+        VarlenCase((257, 1, 130), H=4, K=128, V=128, h0=True, state_v_first=True, lower_bound=-3.0,
+                   cu_dtype="int32", seed=45),
+        VarlenCase((16, 0, 31, 2), H=2, K=64, V=64, h0=False, state_v_first=False, lower_bound=-1.0,
+                   cu_dtype="int64", seed=46),
+    ]
+    return cases + ([FLASHKDA_VARLEN] if big else [])
+
+
+def varlen_inputs(case: VarlenCase, device="cpu", dtype=torch.bfloat16) -> dict:
+    """A packed call's keyword arguments for a stage with cu_seqlens (and for
+    :func:`kda_reference_varlen`): q, k, v, g, beta [1, T, H, *] in ``dtype``,
+    A_log, dt_bias (fp32), initial_state fp32 [N, H, K, V] ([N, H, V, K] with
+    state_v_first; None without h0), cu_seqlens, state_v_first, the bounded
+    gate and chunk 16. Drawn on the CPU from the case's seed, then moved."""
+    kw = make_inputs(1, case.T, case.H, case.K, case.V, seed=case.seed, dtype=dtype, device=device, gate="bounded",
+                     lower_bound=case.lower_bound, h0=False, chunk_size=16)
+    h0 = None
+    if case.h0:
+        gen = torch.Generator().manual_seed(int(case.seed) + 104729)
+        h0 = torch.randn(case.N, case.H, case.K, case.V, generator=gen) * (1.0 / math.sqrt(case.K))
+        if case.state_v_first:
+            h0 = h0.transpose(-1, -2).contiguous()
+        h0 = h0.to(device)
+    kw.update(initial_state=h0, cu_seqlens=case.cu_seqlens(device), state_v_first=case.state_v_first)
+    return kw
+
+
+def _bounds(cu_seqlens, T: int) -> list[int]:
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got {cu_seqlens!r}")
+    b = [int(x) for x in cu_seqlens.tolist()]
+    if b[0] != 0 or b[-1] != T or any(y < x for x, y in zip(b, b[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {T}, got {b}")
+    return b
+
+
+def kda_reference_varlen(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+                         output_final_state=True, gate="bounded", lower_bound=None, chunk_size=None,
+                         cu_seqlens=None, state_v_first=False, dtype=torch.float64):
+    """The fp64 token loop (common.reference.kda_reference) over packed
+    sequences: sequence n (tokens cu_seqlens[n]:cu_seqlens[n + 1] of the
+    [1, T, H, *] inputs) runs on its own from initial_state[n] (zero without
+    one). Takes a stage's packed call unchanged. Returns o [1, T, H, V] and
+    the final states [N, H, K, V] ([N, H, V, K] with state_v_first; None if not
+    asked) in ``dtype``. A sequence of length 0 writes no output and keeps its
+    initial state (zero without one). Without cu_seqlens it is kda_reference
+    (with the state layout handled)."""
+    h0 = initial_state
+    if h0 is not None and state_v_first:
+        h0 = h0.transpose(-1, -2)
+    common_kw = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, gate=gate, lower_bound=lower_bound, dtype=dtype)
+    if cu_seqlens is None:
+        o, S = kda_reference(q, k, v, g, beta, initial_state=h0, **common_kw)
+    else:
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        if B != 1:
+            raise ValueError(f"packed sequences need B == 1, got B = {B}")
+        b = _bounds(cu_seqlens, T)
+        N = len(b) - 1
+        if h0 is not None and tuple(h0.shape) != (N, H, K, V):
+            raise ValueError(f"initial_state must hold N = {N} states, got shape {list(initial_state.shape)}")
+        o = torch.zeros(1, T, H, V, dtype=dtype, device=q.device)
+        S = torch.zeros(N, H, K, V, dtype=dtype, device=q.device)
+        for n in range(N):
+            s, e = b[n], b[n + 1]
+            hn = None if h0 is None else h0[n:n + 1]
+            if e == s:
+                if hn is not None:
+                    S[n] = hn[0].to(dtype)
+                continue
+            on, Sn = kda_reference(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=hn,
+                                   **common_kw)
+            o[:, s:e] = on
+            S[n] = Sn[0]
+    if state_v_first:
+        S = S.transpose(-1, -2).contiguous()
+    return o, (S if output_final_state else None)
+
+
+def run_varlen(fn, inp: dict, device, dtype=None) -> dict:
+    """Call ``fn`` (a stage's forward or :func:`kda_reference_varlen`) on a
+    packed call's inputs moved to ``device`` (cu_seqlens too), under no_grad,
+    with outputs poisoned. ``dtype`` converts the float inputs (the fp64
+    reference). Returns {"o", "S"}."""
+    kw = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in inp.items()}
+    if dtype is not None:
+        for n in TENSOR_ARGS:
+            if kw[n] is not None:
+                kw[n] = kw[n].to(dtype)
+    with poisoned(), torch.no_grad():
+        o, S = fn(**kw)
+    return {"o": o, "S": S}
+
+
+def run_per_sequence(fn, inp: dict, device) -> dict:
+    """A packed call done the old way: ``fn`` (a stage contract forward without
+    cu_seqlens, any stage) called once per non-empty sequence on its slice
+    [1, L, H, *] and its own initial state ([1, H, K, V]), outputs poisoned; an
+    empty sequence keeps its initial state (zero without one). Returns {"o"
+    [1, T, H, V], "S" in the packed call's layout}."""
+    kw = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in inp.items()}
+    cu, vfirst = kw.pop("cu_seqlens"), kw.pop("state_v_first", False)
+    h0 = kw.pop("initial_state")
+    if h0 is not None and vfirst:
+        h0 = h0.transpose(-1, -2).contiguous()
+    q, v = kw["q"], kw["v"]
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    b = _bounds(cu, T)
+    N = len(b) - 1
+    o = torch.full((1, T, H, V), float("nan"), dtype=v.dtype, device=device)
+    S = torch.zeros(N, H, K, V, dtype=torch.float32, device=device)
+    with poisoned(), torch.no_grad():
+        for n in range(N):
+            s, e = b[n], b[n + 1]
+            hn = None if h0 is None else h0[n:n + 1].contiguous()
+            if e == s:
+                if hn is not None:
+                    S[n] = hn[0]
+                continue
+            part = {x: (kw[x][:, s:e].contiguous() if x in ("q", "k", "v", "g", "beta") else kw[x]) for x in kw}
+            on, Sn = fn(**part, initial_state=hn)
+            o[:, s:e] = on
+            S[n] = Sn[0]
+    if vfirst:
+        S = S.transpose(-1, -2).contiguous()
+    return {"o": o, "S": S}
+
+
+def _seq_err(x, ref) -> float:
+    """rel_err, except that a reference of norm 0 (the final state of an empty
+    sequence without h0) must be met exactly: 0.0 if ``x`` is all zero, else inf."""
+    r64 = ref.detach().to("cpu", torch.float64)
+    if torch.isfinite(r64).all() and torch.linalg.vector_norm(r64).item() == 0.0:
+        x64 = x.detach().to("cpu", torch.float64)
+        return 0.0 if bool(torch.isfinite(x64).all()) and not bool(x64.any()) else math.inf
+    return rel_err(x, ref)
+
+
+def _whole_err(x, ref) -> float:
+    """rel_err, inf where the shapes differ (a stage that returned the wrong layout or count)."""
+    if x is None or ref is None or tuple(x.shape) != tuple(ref.shape):
+        return math.inf
+    return rel_err(x, ref)
+
+
+def _worst_sequence(name: str, x, ref, bounds) -> tuple[float, int | None]:
+    """The largest per-sequence error of output ``name`` ("o": the sequence's
+    tokens, empty ones skipped; "S": its final state) and which sequence."""
+    if x is None or ref is None or tuple(x.shape) != tuple(ref.shape):
+        return math.inf, None
+    worst_e, at = 0.0, None
+    for n in range(len(bounds) - 1):
+        s, e = bounds[n], bounds[n + 1]
+        if name == "o" and e == s:
+            continue
+        err = _seq_err(x[:, s:e], ref[:, s:e]) if name == "o" else _seq_err(x[n], ref[n])
+        if at is None or err > worst_e:
+            worst_e, at = err, n
+    return worst_e, at
+
+
+# A single sequence of a few tokens has no averaging: its relative error may be
+# up to about twice the whole call's (one bf16 token of o sits near 3e-3).
+VARLEN_SEQ_TOL_FACTOR = 2.0
+
+
+def check_varlen(stage, case: VarlenCase, *, device=None, per_seq="self", ref_device=None) -> list[dict]:
+    """Errors of a stage's packed call (cu_seqlens) on one case: a row per
+    output (o, S) with the error against :func:`kda_reference_varlen` (fp64,
+    sequence by sequence) and against ``per_seq`` run sequence by sequence
+    without cu_seqlens (:func:`run_per_sequence`): "self" (default: the stage's
+    own equal-length path), "previous" (the stage before it in the ladder), a
+    stage id or module, or None (no comparison). Outputs are poisoned.
+
+    Rows as check_case's (stage, case, output, err_ref, err_prev, prev, tol,
+    ok) plus the worst single sequence's errors (err_ref_seq, err_prev_seq,
+    worst_seq: an error in one short sequence hardly moves the whole call's),
+    held to VARLEN_SEQ_TOL_FACTOR x the tolerance (tol_seq), and equal_prev
+    (bitwise equal to the per-sequence calls). A comparison that could not be
+    made (a wrong shape, NaN) is inf and never ok."""
+    stage = as_stage(stage)
+    spec = stage.SPEC
+    dev = stage_device(spec, device)
+    inp = varlen_inputs(case, "cpu", spec.compute_dtype)
+    got = run_varlen(stage.forward, inp, dev)
+    rdev = torch.device(ref_device) if ref_device is not None else dev
+    ref = run_varlen(kda_reference_varlen, inp, rdev, dtype=torch.float64)
+    if per_seq == "self":
+        cmp = stage
+    elif per_seq == "previous":
+        cmp = ladder_stage(spec.id).previous
+    else:
+        cmp = as_stage(per_seq) if per_seq is not None else None
+    pres = None
+    if cmp is not None:
+        pres = run_per_sequence(cmp.forward, inp, stage_device(cmp.SPEC, dev))
+    tol = tolerance(precision(spec))
+    tol_seq = VARLEN_SEQ_TOL_FACTOR * tol
+    b = case.bounds()
+    rows = []
+    for name in ("o", "S"):
+        x = got[name]
+        r = _whole_err(x, ref[name])
+        rs, ws = _worst_sequence(name, x, ref[name], b)
+        p = ps = eq = None
+        if pres is not None:
+            p = _whole_err(x, pres[name])
+            ps, _ = _worst_sequence(name, x, pres[name], b)
+            y = pres[name]
+            eq = x is not None and x.dtype == y.dtype and tuple(x.shape) == tuple(y.shape) and torch.equal(x, y)
+        ok = r <= tol and rs <= tol_seq and (p is None or (p <= tol and ps <= tol_seq))
+        rows.append(dict(stage=spec.name, case=case.id, output=name, err_ref=r, err_prev=p,
+                         prev=(f"{cmp.SPEC.name} per sequence" if cmp is not None else None), tol=tol, ok=ok,
+                         err_ref_seq=rs, err_prev_seq=ps, worst_seq=ws, equal_prev=eq, tol_seq=tol_seq))
+    return rows

@@ -112,10 +112,13 @@ def flashkda_unsupported(K: int, V: int, gate: str = "bounded") -> str | None:
 
 
 def _flashkda_args(q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, output_final_state, gate,
-                   lower_bound) -> dict:
+                   lower_bound, cu_seqlens=None, state_v_first=False) -> dict:
     """Validate a contract call for FlashKDA (before anything touches a GPU)
     and convert it to flash_kda.fwd's arguments: contiguous inputs, the output
-    buffer, and the states in FlashKDA's [B, H, V, K] layout (fp32)."""
+    buffer, and the states in FlashKDA's [B, H, V, K] layout (fp32). With
+    ``cu_seqlens`` (packed sequences, B == 1) the states are [N, H, V, K] and
+    cu_seqlens goes in as int64; ``state_v_first``: initial_state is already
+    in FlashKDA's layout (no transpose)."""
     from .contract import alloc
 
     why = flashkda_unsupported(q.shape[-1], v.shape[-1], gate)
@@ -129,15 +132,23 @@ def _flashkda_args(q, k, v, g, beta, *, A_log, dt_bias, scale, initial_state, ou
         raise ValueError(f"FlashKDA takes lower_bound in [-5, 0], got {lb}")
     B, T, H, K = q.shape
     V = v.shape[-1]
+    N, cu = B, None
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"FlashKDA takes packed sequences (cu_seqlens) with B == 1, got B = {B}")
+        if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D tensor [N + 1]")
+        N, cu = cu_seqlens.numel() - 1, cu_seqlens.to(device=q.device, dtype=torch.int64).contiguous()
     h0 = None
-    if initial_state is not None:  # ours [B, H, K, V] -> FlashKDA's [B, H, V, K]
-        h0 = initial_state.detach().to(torch.float32).transpose(-1, -2).contiguous()
-    final = alloc((B, H, V, K), torch.float32, q.device) if output_final_state else None
+    if initial_state is not None:  # ours [N, H, K, V] -> FlashKDA's [N, H, V, K] (unless given V-first)
+        h0 = initial_state.detach().to(torch.float32)
+        h0 = (h0 if state_v_first else h0.transpose(-1, -2)).contiguous()
+    final = alloc((N, H, V, K), torch.float32, q.device) if output_final_state else None
     return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
                 scale=float(K ** -0.5 if scale is None else scale), out=alloc((B, T, H, V), torch.bfloat16, q.device),
                 A_log=A_log.detach().to(torch.float32).contiguous(),
                 dt_bias=dt_bias.detach().to(torch.float32).reshape(H, K).contiguous(), lower_bound=lb,
-                initial_state=h0, final_state=final, cu_seqlens=None)
+                initial_state=h0, final_state=final, cu_seqlens=cu)
 
 
 def flashkda_forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None, output_final_state=True,
@@ -175,3 +186,42 @@ def flashkda_call(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state
                       cu_seqlens=None)
 
     return call
+
+
+def flashkda_varlen_call(q, k, v, g, beta, *, A_log, dt_bias, cu_seqlens, scale=None, initial_state=None,
+                         output_final_state=True, gate="bounded", lower_bound=None, chunk_size=None,
+                         state_v_first=True):
+    """FlashKDA's packed-sequence call, converted once, as a zero-argument
+    function (what the benchmark times) and the buffers it writes:
+    (call, out [1, T, H, V] bf16, final state [N, H, V, K] fp32 or None).
+    q, k, v, g, beta are [1, T, H, *]; cu_seqlens [N + 1] (int64 on the
+    device: converted once); initial_state [N, H, V, K] with ``state_v_first``
+    (the default: FlashKDA's own layout, passed without a copy), else
+    [N, H, K, V] (transposed once)."""
+    a = _flashkda_args(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, gate=gate, lower_bound=lower_bound,
+                       cu_seqlens=cu_seqlens, state_v_first=state_v_first)
+    import flash_kda
+
+    def call():
+        flash_kda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], a["scale"], a["out"], a["A_log"], a["dt_bias"],
+                      a["lower_bound"], initial_state=a["initial_state"], final_state=a["final_state"],
+                      cu_seqlens=a["cu_seqlens"])
+
+    return call, a["out"], a["final_state"]
+
+
+def flashkda_varlen_forward(q, k, v, g, beta, *, A_log, dt_bias, cu_seqlens, scale=None, initial_state=None,
+                            output_final_state=True, gate="bounded", lower_bound=None, chunk_size=None,
+                            state_v_first=False):
+    """FlashKDA over packed sequences with a stage's packed call (cu_seqlens,
+    state_v_first) and its return: (o bf16 [1, T, H, V], final state fp32
+    [N, H, K, V], or [N, H, V, K] with state_v_first, or None)."""
+    call, out, final = flashkda_varlen_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                                            scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state, gate=gate,
+                                            lower_bound=lower_bound, state_v_first=state_v_first)
+    call()
+    if final is not None and not state_v_first:
+        final = final.transpose(-1, -2).contiguous()
+    return out, final

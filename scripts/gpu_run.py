@@ -267,7 +267,8 @@ def sanitize(stages, ablations=False):
 
 
 PHASES = ("build", "tests", "checks", "profiles", "sanitize", "bench-fp32", "bench-fla-fp32", "bench-tc")
-EXTRA_PHASES = ("flashkda", "notebooks", "notebooks-fla", "tour", "ablations", "launches")  # asked for by name only
+EXTRA_PHASES = ("flashkda", "notebooks", "notebooks-fla", "tour", "ablations", "launches",
+                "varlen", "op")  # asked for by name only
 
 
 def gpu_stage_ids() -> list[str]:
@@ -340,7 +341,7 @@ def main():
         os.environ["KDALAB_STAGES"] = ",".join(stages)
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
             "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_stage_paths.py", "tests/test_profile_regions.py", "tests/test_contract.py",
-            "tests/test_flashkda.py"]
+            "tests/test_flashkda.py", "tests/test_varlen.py", "tests/test_op.py", "tests/test_op_gpu.py"]
            + (["-k", args.pytest_k] if args.pytest_k else []),
            900, "pytest")
     if "checks" in phases:
@@ -377,6 +378,11 @@ def main():
                 if (OUT / "tc_flashkda.json").exists():
                     merge_flashkda(OUT / "tc_stages.json", OUT / "tc_flashkda.json")
                     log(f"bench FlashKDA: rc={rc}, rows merged into tc_stages.json")
+    if "varlen" in phases:  # packed sequences: the last stage beside FlashKDA's varlen forward (and FLA's, --fla)
+        sh([sys.executable, "scripts/bench_varlen.py", "--out", str(OUT / "varlen.json")] + (["--fla"] if args.fla else []),
+           args.bench_timeout, "varlen")
+    if "op" in phases:  # kdalab.chunk_kda in an FLA KDA layer, with and without the FLA backend (needs --fla)
+        sh([sys.executable, "scripts/bench_op.py", "--out", str(OUT / "op.json")], args.bench_timeout, "op")
     nbs = [n for n in args.notebooks.split(",") if n]
     if "notebooks" in phases:  # without fla-core on the path (gpu_run.sh keeps it apart in /tmp/site_fla)
         run_notebooks(nbs, "no_fla")

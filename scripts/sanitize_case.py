@@ -47,6 +47,15 @@ if getattr(stage, "PATHS", None):  # a stage with several paths (08, 09): each o
                 with stage.path(name, segment_chunks=3):
                     res.update({f"{k} ({name} in segments, K={kwp['k'].shape[-1]})": v
                                 for k, v in checks.run(stage.forward, kwp, "cuda", backward=False).items()})
+if spec.varlen:  # packed sequences (stage 11 on): every path, ragged
+    # lengths with empty and sub-chunk sequences, both state layouts, the split path in segments of 3 chunks too
+    for case in checks.varlen_cases(big=False)[:3]:
+        inp = checks.varlen_inputs(case, device="cuda")
+        for name in [None] + [n for n, (_, ncw) in stage.PATHS.items() if 16 * ncw <= case.V]:
+            for seg in ((None, 3) if name and name.startswith("split") else (None,)):
+                with stage.path(name, segment_chunks=seg):
+                    got = checks.run_varlen(stage.forward, inp, "cuda")
+                res.update({f"{k} (packed {case.lengths}, {name or 'rule'}, seg {seg})": v for k, v in got.items()})
 torch.cuda.synchronize()
 bad = [n for n, t in res.items() if t is not None and not torch.isfinite(t).all()]
 print(f"stage {spec.name}: {'non-finite ' + str(bad) if bad else 'all outputs finite'}")
