@@ -1,0 +1,331 @@
+"""``chunk_kda``: fla-core 0.6.0's ``fla.ops.kda.chunk_kda`` (same signature,
+argument names and defaults) running the tutorial's last stage, forward only.
+
+What runs here (anything else raises one clear error before any kernel; FLA's
+``chunk_kda`` runs it):
+
+- CUDA tensors; q, k, v, beta in bf16 (fp16 and fp32 converted, o returned in
+  v's dtype); K = V in {64, 128}; as many value heads as query heads (no GVA);
+- the bounded gate: ``safe_gate=True`` with ``lower_bound`` in [-5, 0).
+  ``use_gate_in_kernel=True``: g is the raw gate,
+  a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log [H] (None: exp(A_log) = 1),
+  dt_bias [H * K] or [H, K] (None: 0), passed in ``**kwargs`` as FLA takes them.
+  ``use_gate_in_kernel=False`` (FLA's default): g is the log decay itself, taken
+  as FLA takes it, in [lower_bound, 0] (lower_bound None: [-5, 0]);
+- ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel`` and
+  ``allow_neg_eigval`` (2 * sigmoid(beta)) with both values;
+- ``initial_state`` fp32 [N, H, K, V] ([N, H, V, K] with ``state_v_first``,
+  read and written in place of a transpose), ``output_final_state``;
+- ``cu_seqlens`` (int32 or int64, B = 1) in one launch. Its contents are checked
+  on the host (0 first, non-decreasing, T last) and give the longest sequence,
+  which sizes the launch: from ``cu_seqlens_cpu`` when given, else from one
+  ``.cpu()`` copy (a device sync). While torch.compile traces, and while a CUDA
+  graph is captured without ``cu_seqlens_cpu``, they are not read: unchecked,
+  and T bounds the longest sequence (a larger launch whose extra blocks exit);
+- ``disable_recompute`` is accepted and does nothing: it only changes what FLA
+  keeps for its backward, and this op has none. ``max_num_seqs`` is ignored
+  without ``use_graph``, as FLA ignores it.
+
+The kernel call is the custom op ``torch.ops.kdalab.chunk_kda_fwd`` (tensors and
+plain scalars, a fake implementation for torch.compile, no host sync inside), so
+a model that calls ``chunk_kda`` compiles with ``fullgraph=True`` and can be
+captured in a CUDA graph. ``chunk_kda`` checks and converts outside the op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+STAGE = "11"  # the stage whose kernel runs: stages/11_varlen (one launch over packed sequences)
+CHUNK = 16  # the kernel's chunk size (FLA's own is 64: a Triton tiling, not a property of the op)
+_DEVICE_TYPES = ("cuda",)  # where the kernel runs (the CPU tests widen it to reach a fake extension)
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FLA = "fla.ops.kda.chunk_kda"
+
+_ext = None
+
+
+def _extension():
+    """The compiled extension of STAGE (built once, on first use)."""
+    global _ext
+    if _ext is None:
+        from common.stages import load_stage
+
+        _ext = load_stage(STAGE).build()
+    return _ext
+
+
+# --------------------------------------------------------------------------
+# The checks: one function, used by chunk_kda (raises) and supported (answers)
+# --------------------------------------------------------------------------
+
+def _host_reads(cu_seqlens_cpu, sync) -> bool:
+    """Whether the contents of cu_seqlens are read on the host. Not while
+    torch.compile traces (no graph break) nor, without cu_seqlens_cpu, while a
+    CUDA graph is captured (no sync) or for supported(): then they go unchecked
+    and the kernel takes T as the bound of the longest sequence (max_seqlen 0)."""
+    if torch.compiler.is_compiling():
+        return False
+    if cu_seqlens_cpu is not None:
+        return True
+    return sync and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _refuse(flag, got, supported, instead=f"use {_FLA}", exc=NotImplementedError):
+    return exc(f"kdalab.chunk_kda: {flag}={got} is not supported ({supported}); {instead}")
+
+
+def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+          use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+          allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+          return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+          cp_context=None, use_graph=False, max_num_seqs=None, *, sync=True, **kwargs) -> dict:
+    """Check a chunk_kda call and return the op's scalar arguments, or raise the
+    call's first problem (TypeError / ValueError / NotImplementedError). Nothing
+    here touches the extension. ``sync=False`` leaves the contents of
+    cu_seqlens unchecked unless cu_seqlens_cpu is given (no device copy)."""
+    # ---- keyword arguments FLA takes in **kwargs ----
+    if "transpose_state_layout" in kwargs:  # FLA's deprecated name of state_v_first
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+    A_log, dt_bias = kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
+    chunk_size = kwargs.pop("chunk_size", None)
+    if kwargs:
+        raise TypeError(f"kdalab.chunk_kda got unexpected keyword argument(s) {sorted(kwargs)}: it takes "
+                        f"{_FLA}'s arguments, and A_log, dt_bias, chunk_size, transpose_state_layout in **kwargs")
+
+    # ---- tensors and device ----
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kdalab.chunk_kda: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.device.type not in _DEVICE_TYPES:
+        raise _refuse("q.device", q.device, "CUDA tensors only", exc=ValueError)
+    if not use_gate_in_kernel:
+        A_log, dt_bias = None, None  # FLA ignores them too: g is the log decay
+    optional = (("A_log", A_log), ("dt_bias", dt_bias), ("initial_state", initial_state),
+                ("cu_seqlens", cu_seqlens))
+    tensors = [("k", k), ("v", v), ("g", g), ("beta", beta)] + [(n, t) for n, t in optional if t is not None]
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kdalab.chunk_kda: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.device != q.device:
+            raise ValueError(f"kdalab.chunk_kda: {name} is on {t.device}, q on {q.device}: all on one device")
+    if torch.is_grad_enabled():
+        for name, t in [("q", q)] + tensors:
+            if t.requires_grad:
+                raise _refuse(f"{name}.requires_grad", True, "forward only: no backward",
+                              "run under torch.inference_mode() or torch.no_grad(), or train with " + _FLA)
+
+    # ---- flags FLA has and the kernel does not run ----
+    if cp_context is not None:
+        raise _refuse("cp_context", type(cp_context).__name__, "context parallelism is not run here")
+    if return_intermediate_states:
+        raise _refuse("return_intermediate_states", True, "the kernel keeps no per-chunk state")
+    if use_graph:
+        raise _refuse("use_graph", True, "FLA's padded fixed-shape chunk lists are not built here",
+                      f"capture kdalab.chunk_kda in a CUDA graph as it is, or use {_FLA}")
+    if chunk_size is not None and chunk_size != CHUNK:
+        raise _refuse("chunk_size", chunk_size, f"the kernel's chunk is {CHUNK} tokens (FLA's 64 is its Triton "
+                      "tiling; the result does not depend on it)", "leave chunk_size out", exc=ValueError)
+    if not safe_gate:
+        raise _refuse("safe_gate", False, "only the bounded gate, safe_gate=True with lower_bound in [-5, 0); "
+                      "the softplus gate runs here once a stage runs it",
+                      f"pass safe_gate=True with lower_bound, or use {_FLA}")
+    if lower_bound is None and use_gate_in_kernel:
+        raise _refuse("lower_bound", None, "safe_gate=True with use_gate_in_kernel=True needs lower_bound "
+                      "in [-5, 0), as FLA does", "pass lower_bound (FLA recommends -5)", exc=ValueError)
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"kdalab.chunk_kda: lower_bound must be a float, got {type(lower_bound).__name__}")
+        if not -5 <= lower_bound < 0:
+            raise _refuse("lower_bound", lower_bound, "lower_bound in [-5, 0)", "pass lower_bound in [-5, 0)",
+                          exc=ValueError)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")  # FLA's words
+
+    # ---- dtypes and shapes ----
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"kdalab.chunk_kda: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"kdalab.chunk_kda: q must be [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"kdalab.chunk_kda: v must be [B, T, HV, V] = [{B}, {T}, HV, V], got {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV != H:
+        raise _refuse("v.shape[2] (HV)", HV, f"as many value heads as query heads, H = {H}; GVA is not run here")
+    if K != V or K not in (64, 128):
+        raise _refuse("head dims (K, V)", (K, V), "K = V in {64, 128}")
+    if B < 1 or T < 1 or H < 1:
+        raise ValueError(f"kdalab.chunk_kda: q must have B, T, H >= 1, got shape {list(q.shape)}")
+    for name, t, shape in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("beta", beta, (B, T, H))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kdalab.chunk_kda: {name} must have shape {list(shape)}, got {list(t.shape)}")
+    if use_gate_in_kernel:
+        if A_log is not None and A_log.numel() != H:
+            raise ValueError(f"kdalab.chunk_kda: A_log must be [H] = [{H}], got {list(A_log.shape)}")
+        if dt_bias is not None and dt_bias.numel() != H * K:
+            raise ValueError(f"kdalab.chunk_kda: dt_bias must be [H * K] or [H, K] = [{H * K}] or [{H}, {K}], "
+                             f"got {list(dt_bias.shape)}")
+    if scale is None:
+        scale = K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"kdalab.chunk_kda: scale must be a finite float or None, got {scale!r}")
+
+    # ---- packed sequences and states ----
+    N, max_seqlen = B, 0  # the longest packed sequence (0: T, the kernel's bound when it is not known)
+    if cu_seqlens_cpu is not None and cu_seqlens is None:
+        raise ValueError("kdalab.chunk_kda: cu_seqlens_cpu is given without cu_seqlens")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
+            raise TypeError(f"kdalab.chunk_kda: cu_seqlens must be a 1-D int32 or int64 tensor of N + 1 >= 2 "
+                            f"offsets, got {cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
+        N = len(cu_seqlens) - 1
+        if B != 1:  # FLA's check and words
+            raise ValueError(f"The batch size is expected to be 1 rather than {B} when using `cu_seqlens`."
+                             f"Please flatten variable-length inputs before processing.")
+        if cu_seqlens_cpu is not None and (not isinstance(cu_seqlens_cpu, torch.Tensor)
+                                           or cu_seqlens_cpu.device.type != "cpu"
+                                           or tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
+            raise ValueError(f"kdalab.chunk_kda: cu_seqlens_cpu must be the CPU copy of cu_seqlens "
+                             f"(shape {list(cu_seqlens.shape)})")
+        if _host_reads(cu_seqlens_cpu, sync):
+            cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
+            lengths = [b - a for a, b in zip(cu, cu[1:])]
+            if cu[0] != 0 or cu[-1] != T or min(lengths) < 0:
+                raise ValueError(f"kdalab.chunk_kda: cu_seqlens must start at 0, never decrease and end at "
+                                 f"T = {T}, got {cu if len(cu) <= 16 else cu[:8] + ['...'] + cu[-4:]}")
+            max_seqlen = max(lengths)
+    state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
+    if initial_state is not None:
+        if initial_state.dtype != torch.float32:
+            raise TypeError(f"kdalab.chunk_kda: initial_state must be float32 (as FLA requires), "
+                            f"got {initial_state.dtype}")
+        if cu_seqlens is not None and initial_state.dim() > 0 and initial_state.shape[0] != N:  # FLA's words
+            raise ValueError(f"The number of initial states is expected to be equal to the number of input "
+                             f"sequences, i.e., {N} rather than {initial_state.shape[0]}.")
+        if tuple(initial_state.shape) != state_shape:
+            raise ValueError(f"kdalab.chunk_kda: initial_state must be [N, H, {'V, K' if state_v_first else 'K, V'}]"
+                             f" = {list(state_shape)}, got {list(initial_state.shape)}")
+
+    return dict(scale=float(scale), gate_id=1 if use_gate_in_kernel else 3,
+                lower_bound=float(-5.0 if lower_bound is None else lower_bound),
+                l2norm=bool(use_qk_l2norm_in_kernel),
+                beta_mode=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
+                state_v_first=bool(state_v_first), output_final_state=bool(output_final_state),
+                max_seqlen=int(max_seqlen), A_log=A_log, dt_bias=dt_bias)
+
+
+def supported(*args, **kwargs) -> tuple[bool, str | None]:
+    """(True, None) if ``chunk_kda(*args, **kwargs)`` runs the kernel, else
+    (False, the error it would raise). Never syncs the device: without
+    cu_seqlens_cpu the contents of cu_seqlens are checked by the call itself."""
+    try:
+        _plan(*args, sync=False, **kwargs)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        return False, str(e)
+    return True, None
+
+
+# --------------------------------------------------------------------------
+# The custom op: tensors and plain scalars, checked already
+# --------------------------------------------------------------------------
+
+def _outputs(q, v, cu_seqlens, state_v_first):
+    """Empty o [B, T, H, V] bf16 and final state [N, H, K, V] ([N, H, V, K]) fp32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = q.new_empty((N, H, V, K) if state_v_first else (N, H, K, V), dtype=torch.float32)
+    return q.new_empty(B, T, H, V, dtype=torch.bfloat16), ht
+
+
+@torch.library.custom_op("kdalab::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, scale: float, gate_id: int, lower_bound: float, l2norm: bool,
+                  beta_mode: int, state_v_first: bool, output_final_state: bool,
+                  max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel: q, k, v, beta bf16 [B, T, H, *]; g bf16 raw (gate_id 1) or fp32
+    log decay (gate_id 3); A_log fp32 [H] and dt_bias fp32 [H, K] or None (0);
+    initial_state fp32 or None; cu_seqlens int32 [N + 1] or None; max_seqlen the
+    longest of its sequences or a bound of it in [1, T] (a host int; 0: T).
+    Returns o bf16 [B, T, H, V] and the final state
+    (an empty [0] tensor unless output_final_state)."""
+    o, ht = _outputs(q, v, cu_seqlens, state_v_first)  # the kernel writes every element of both
+    H, K = q.shape[2], q.shape[3]
+    if A_log is None:
+        A_log = q.new_zeros(H, dtype=torch.float32)
+    if dt_bias is None:
+        dt_bias = q.new_zeros(H, K, dtype=torch.float32)
+    _extension().fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound, CHUNK, o, ht,
+                     None,  # prof
+                     -1, 0, 0,  # fused, ncw, segment_chunks: the stage's own rule
+                     cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode)
+    return o, ht if output_final_state else ht.new_empty(0)
+
+
+@chunk_kda_fwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, gate_id, lower_bound, l2norm,
+      beta_mode, state_v_first, output_final_state, max_seqlen):
+    o, ht = _outputs(q, v, cu_seqlens, state_v_first)
+    return o, ht if output_final_state else ht.new_empty(0)
+
+
+# --------------------------------------------------------------------------
+# The public function
+# --------------------------------------------------------------------------
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """fla.ops.kda.chunk_kda (fla-core 0.6.0) on the kernel of stage ``STAGE``.
+    Returns (o [B, T, H, V] in v's dtype, final state fp32 or None). See the
+    module docstring for what runs; anything else raises before any kernel."""
+    p = _plan(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+              use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+              disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+              cp_context, use_graph, max_num_seqs, **kwargs)
+    H, K = q.shape[2], q.shape[3]
+
+    def bf16(t):
+        return t.to(torch.bfloat16).contiguous()  # no copy when it is bf16 and contiguous already
+
+    A_log, dt_bias = p["A_log"], p["dt_bias"]
+    o, ht = torch.ops.kdalab.chunk_kda_fwd(
+        bf16(q), bf16(k), bf16(v),
+        bf16(g) if p["gate_id"] == 1 else g.to(torch.float32).contiguous(),
+        bf16(beta),
+        None if A_log is None else A_log.to(torch.float32).reshape(H).contiguous(),
+        None if dt_bias is None else dt_bias.to(torch.float32).reshape(H, K).contiguous(),
+        None if initial_state is None else initial_state.contiguous(),
+        None if cu_seqlens is None else cu_seqlens.to(torch.int32),
+        p["scale"], p["gate_id"], p["lower_bound"], p["l2norm"], p["beta_mode"], p["state_v_first"],
+        p["output_final_state"], p["max_seqlen"])
+    return o.to(v.dtype), (ht if p["output_final_state"] else None)

@@ -1,0 +1,506 @@
+"""kdalab.chunk_kda, the custom op and the FLA backend, on the CPU: no kernel
+runs here. A fake extension stands in for stage 11's (it records each call);
+CPU tensors reach it only where a test widens the op's device rule, and
+FakeTensorMode's CUDA tensors go through the real rule to the op's fake
+implementation. The kernel itself is checked on the GPU (tests/test_op_gpu.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kdalab
+from kdalab import op
+from kdalab.layer import KDALayer
+
+try:
+    import fla.ops.kda as fla_kda
+except Exception:  # noqa: BLE001 - fla-core is a dev dependency; without it its tests skip
+    fla_kda = None
+needs_fla = pytest.mark.skipif(fla_kda is None, reason="fla-core is not installed (pip install -e '.[dev]')")
+
+# fla-core 0.6.0's chunk_kda: (name, default), in order, then **kwargs
+FLA_SIGNATURE = [
+    ("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("scale", None),
+    ("initial_state", None), ("output_final_state", False), ("use_qk_l2norm_in_kernel", False),
+    ("use_gate_in_kernel", False), ("use_beta_sigmoid_in_kernel", False), ("allow_neg_eigval", False),
+    ("safe_gate", False), ("lower_bound", None), ("disable_recompute", False),
+    ("return_intermediate_states", False), ("state_v_first", False), ("cu_seqlens", None),
+    ("cu_seqlens_cpu", None), ("cp_context", None), ("use_graph", False), ("max_num_seqs", None),
+]
+
+
+def _params(fn):
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        out.append((p.name, p.kind, None if p.default is inspect.Parameter.empty else p.default))
+    return out
+
+
+class FakeExt:
+    """Stands in for stage 11's extension: records each fwd call, writes every
+    element of o and ht from the inputs (so outputs depend on them)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def fwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, o, ht, prof,
+            fused=-1, ncw=0, segment_chunks=0, cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True,
+            beta_mode=1):
+        self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, scale=scale,
+                               gate_id=gate_id, lower_bound=lower_bound, chunk_size=chunk_size, o=o, ht=ht,
+                               prof=prof, fused=fused, ncw=ncw, segment_chunks=segment_chunks,
+                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first,
+                               l2norm=l2norm, beta_mode=beta_mode))
+        o.copy_(v.float() * scale + q.float() + beta.float()[..., None])
+        ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
+        ht.add_(lower_bound)
+
+    @property
+    def last(self):
+        return self.calls[-1]
+
+
+@pytest.fixture
+def ext(monkeypatch):
+    """CPU tensors allowed, the extension faked (records calls)."""
+    fake = FakeExt()
+    monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(op, "_extension", lambda: fake)
+    return fake
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """CPU tensors allowed, and any use of the extension fails the test."""
+    monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(op, "_extension", lambda: pytest.fail("the extension was reached"))
+
+
+def layer_call(B=1, T=37, H=2, D=64, dtype=torch.bfloat16, device="cpu", N=None):
+    """The arguments FLA's KimiDeltaAttention passes to chunk_kda (safe_gate,
+    everything in the kernel, V-first state); packed into N sequences if N."""
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+
+    kw = dict(q=r(B, T, H, D), k=r(B, T, H, D), v=r(B, T, H, D), g=r(B, T, H, D), beta=r(B, T, H),
+              A_log=torch.zeros(H, device=device), dt_bias=torch.zeros(H * D, device=device),
+              initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, safe_gate=True, lower_bound=-5.0,
+              state_v_first=True, cu_seqlens=None)
+    if N:
+        cu = torch.linspace(0, T, N + 1).long()
+        kw.update(cu_seqlens=cu.to(device), initial_state=torch.zeros(N, H, D, D, device=device))
+    return kw
+
+
+# --------------------------------------------------------------------------
+# the signature
+# --------------------------------------------------------------------------
+
+def test_signature_is_fla_0_6_0():
+    got = _params(kdalab.chunk_kda)
+    P = inspect.Parameter
+    assert got == [(n, P.POSITIONAL_OR_KEYWORD, d) for n, d in FLA_SIGNATURE] + [("kwargs", P.VAR_KEYWORD, None)]
+
+
+@needs_fla
+def test_signature_matches_installed_fla():
+    assert _params(kdalab.chunk_kda) == _params(fla_kda.chunk_kda)
+
+
+# --------------------------------------------------------------------------
+# refusals: one clear error naming the flag, before the extension
+# --------------------------------------------------------------------------
+
+def _gva(kw):
+    H, D = kw["q"].shape[2], kw["q"].shape[3]
+    B, T = kw["q"].shape[:2]
+    kw.update(v=torch.zeros(B, T, 2 * H, D, dtype=kw["v"].dtype), g=torch.zeros(B, T, 2 * H, D, dtype=kw["g"].dtype),
+              beta=torch.zeros(B, T, 2 * H, dtype=kw["beta"].dtype))
+
+
+def _grad(kw):
+    kw["q"] = kw["q"].float().requires_grad_()
+
+
+def _cu(values, **extra):
+    def f(kw):
+        kw.update({"cu_seqlens": torch.tensor(values), "initial_state": None, **extra})
+    return f
+
+
+REFUSALS = {  # id: (change to the layer's call, exception, text the message must hold)
+    "safe_gate_false": (lambda kw: kw.update(safe_gate=False), NotImplementedError, "safe_gate=False"),
+    "lower_bound_none": (lambda kw: kw.update(lower_bound=None), ValueError, "lower_bound=None"),
+    "lower_bound_low": (lambda kw: kw.update(lower_bound=-6.0), ValueError, "lower_bound=-6.0"),
+    "lower_bound_zero": (lambda kw: kw.update(lower_bound=0.0), ValueError, "lower_bound=0.0"),
+    "lower_bound_type": (lambda kw: kw.update(lower_bound="-5"), TypeError, "lower_bound"),
+    "gva": (_gva, NotImplementedError, "HV"),
+    "k_ne_v": (lambda kw: kw.update(v=torch.zeros(*kw["q"].shape[:3], 128)), NotImplementedError, "head dims"),
+    "head_dim_32": (lambda kw: [kw.update({n: kw[n][..., :32].contiguous()}) for n in "qkvg"],
+                    NotImplementedError, "head dims"),
+    "chunk_size_64": (lambda kw: kw.update(chunk_size=64), ValueError, "chunk_size=64"),
+    "intermediate_states": (lambda kw: kw.update(return_intermediate_states=True), NotImplementedError,
+                            "return_intermediate_states"),
+    "cp_context": (lambda kw: kw.update(cp_context=object()), NotImplementedError, "cp_context"),
+    "use_graph": (lambda kw: kw.update(use_graph=True), NotImplementedError, "use_graph"),
+    "requires_grad": (_grad, NotImplementedError, "q.requires_grad"),
+    "unknown_kwarg": (lambda kw: kw.update(window=4), TypeError, "window"),
+    "neg_eigval_no_sigmoid": (lambda kw: kw.update(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False),
+                              ValueError, "allow_neg_eigval"),
+    "float64": (lambda kw: kw.update(q=kw["q"].double()), TypeError, "q must be"),
+    "q_3d": (lambda kw: kw.update(q=kw["q"][0]), ValueError, "q must be"),
+    "beta_shape": (lambda kw: kw.update(beta=kw["beta"][..., :1]), ValueError, "beta"),
+    "A_log_shape": (lambda kw: kw.update(A_log=torch.zeros(3)), ValueError, "A_log"),
+    "dt_bias_shape": (lambda kw: kw.update(dt_bias=torch.zeros(5)), ValueError, "dt_bias"),
+    "scale_nan": (lambda kw: kw.update(scale=float("nan")), TypeError, "scale"),
+    "state_bf16": (lambda kw: kw.update(initial_state=torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)),
+                   TypeError, "initial_state"),
+    "state_shape": (lambda kw: kw.update(initial_state=torch.zeros(2, 2, 64, 64)), ValueError, "initial_state"),
+    "both_layouts": (lambda kw: kw.update(transpose_state_layout=True), ValueError, "transpose_state_layout"),
+    "cu_decreasing": (_cu([0, 20, 10, 37]), ValueError, "cu_seqlens"),
+    "cu_wrong_end": (_cu([0, 20, 36]), ValueError, "cu_seqlens"),
+    "cu_wrong_start": (_cu([1, 20, 37]), ValueError, "cu_seqlens"),
+    "cu_float": (_cu([0.0, 37.0]), TypeError, "cu_seqlens"),
+    "cu_2d": (_cu([[0, 20], [20, 37]]), TypeError, "cu_seqlens"),
+    "cu_batch_2": (lambda kw: kw.update({n: torch.cat([kw[n]] * 2) for n in ("q", "k", "v", "g", "beta")},
+                                        cu_seqlens=torch.tensor([0, 37])), ValueError, "batch size"),
+    "cu_state_count": (_cu([0, 20, 37], initial_state=torch.zeros(3, 2, 64, 64)), ValueError,
+                       "number of initial states"),
+    "cu_cpu_alone": (lambda kw: kw.update(cu_seqlens_cpu=torch.tensor([0, 37])), ValueError, "cu_seqlens_cpu"),
+    "cu_cpu_mismatch": (_cu([0, 37], cu_seqlens_cpu=torch.tensor([0, 20, 37])), ValueError, "cu_seqlens_cpu"),
+    "cu_cpu_contents": (_cu([0, 20, 37], cu_seqlens_cpu=torch.tensor([0, 40, 37])), ValueError, "cu_seqlens"),
+    "not_a_tensor": (lambda kw: kw.update(k=[1.0]), TypeError, "k must be a torch.Tensor"),
+}
+
+
+CONTENTS = ("cu_decreasing", "cu_wrong_end", "cu_wrong_start")  # found only in the values of cu_seqlens
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unsupported_raises_before_the_kernel(case, no_kernel):
+    change, exc, text = REFUSALS[case]
+    kw = layer_call()
+    change(kw)
+    with pytest.raises(exc, match=None) as info:
+        kdalab.chunk_kda(**kw)
+    assert text in str(info.value), str(info.value)
+    if case in CONTENTS:  # supported() reads the contents of cu_seqlens only from cu_seqlens_cpu
+        assert kdalab.supported(**kw) == (True, None)
+        kw["cu_seqlens_cpu"] = kw["cu_seqlens"].clone()
+    ok, why = kdalab.supported(**kw)
+    assert not ok and why == str(info.value)
+
+
+def test_supported_needs_no_copy_of_cu_seqlens(no_kernel):
+    """supported() never copies cu_seqlens to the host (its contents are the call's to check)."""
+    kw = layer_call()
+    _cu([0, 20, 10, 37])(kw)
+    assert kdalab.supported(**kw) == (True, None)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kdalab.chunk_kda(**kw)
+
+
+def test_cpu_tensors_refused_by_the_real_rule(monkeypatch):
+    monkeypatch.setattr(op, "_extension", lambda: pytest.fail("the extension was reached"))
+    with pytest.raises(ValueError, match=r"q.device=cpu .*CUDA.*fla.ops.kda.chunk_kda"):
+        kdalab.chunk_kda(**layer_call())
+
+
+def test_grad_disabled_lets_requires_grad_through(ext):
+    kw = layer_call()
+    kw["q"].requires_grad_()
+    with torch.no_grad():
+        kdalab.chunk_kda(**kw)
+    assert len(ext.calls) == 1
+
+
+def test_messages_say_what_to_use_instead(no_kernel):
+    for case in ("safe_gate_false", "gva", "k_ne_v", "intermediate_states", "cp_context", "requires_grad"):
+        change, exc, _ = REFUSALS[case]
+        kw = layer_call()
+        change(kw)
+        ok, why = kdalab.supported(**kw)
+        assert "fla.ops.kda.chunk_kda" in why and "supported" in why, why
+
+
+# --------------------------------------------------------------------------
+# supported calls reach the extension with the right arguments
+# --------------------------------------------------------------------------
+
+def test_fla_defaults_take_g_as_the_log_decay(ext):
+    """FLA's defaults: use_gate_in_kernel=False (g is the log decay, fp32 to the
+    kernel, gate_id 3), no l2norm, beta taken as activated, no final state."""
+    kw = layer_call()
+    q, k, v, beta = kw["q"], kw["k"], kw["v"], kw["beta"]
+    g = -torch.rand(q.shape)  # fp32 log decay in [-1, 0]
+    o, ht = kdalab.chunk_kda(q, k, v, g, beta, safe_gate=True)
+    c = ext.last
+    assert ht is None and o.shape == v.shape and o.dtype == v.dtype
+    assert c["gate_id"] == 3 and c["g"].dtype == torch.float32 and torch.equal(c["g"], g)
+    assert c["lower_bound"] == -5.0  # FLA's safe range when the caller bounds g itself
+    assert c["l2norm"] is False and c["beta_mode"] == 0 and c["state_v_first"] is False
+    assert c["chunk_size"] == 16 and c["prof"] is None and (c["fused"], c["ncw"], c["segment_chunks"]) == (-1, 0, 0)
+    assert c["scale"] == pytest.approx(64 ** -0.5) and c["h0"] is None and c["cu_seqlens"] is None
+    assert c["max_seqlen"] == 0
+    assert torch.equal(c["A_log"], torch.zeros(2)) and torch.equal(c["dt_bias"], torch.zeros(2, 64))
+    assert tuple(c["ht"].shape) == (1, 2, 64, 64)  # written by the kernel, not returned
+
+
+def test_layer_call_runs_the_bounded_gate_in_the_kernel(ext):
+    kw = layer_call()
+    kw["A_log"] = torch.arange(2.0)
+    kw["dt_bias"] = torch.arange(2.0 * 64)
+    o, ht = kdalab.chunk_kda(**kw)
+    c = ext.last
+    assert c["gate_id"] == 1 and c["g"].dtype == torch.bfloat16 and c["g"] is kw["g"]  # no copy
+    assert c["q"] is kw["q"] and c["v"] is kw["v"] and c["beta"] is kw["beta"]
+    assert torch.equal(c["A_log"], kw["A_log"]) and torch.equal(c["dt_bias"], kw["dt_bias"].view(2, 64))
+    assert c["l2norm"] is True and c["beta_mode"] == 1 and c["state_v_first"] is True
+    assert c["lower_bound"] == -5.0 and ht is not None and tuple(ht.shape) == (1, 2, 64, 64)
+    assert ht.dtype == torch.float32 and torch.equal(ht, torch.full_like(ht, -5.0))
+
+
+@pytest.mark.parametrize("sigmoid,neg,mode", [(False, False, 0), (True, False, 1), (True, True, 2)])
+def test_beta_modes(ext, sigmoid, neg, mode):
+    kdalab.chunk_kda(**{**layer_call(), "use_beta_sigmoid_in_kernel": sigmoid, "allow_neg_eigval": neg})
+    assert ext.last["beta_mode"] == mode
+
+
+def test_a_log_optional_with_lower_bound_and_dt_bias_2d(ext):
+    kw = layer_call()
+    kw.update(A_log=None, dt_bias=torch.ones(2, 64), use_qk_l2norm_in_kernel=False, lower_bound=-2.5)
+    kdalab.chunk_kda(**kw)
+    c = ext.last
+    assert torch.equal(c["A_log"], torch.zeros(2))  # exp(A_log) = 1, as FLA without A_log
+    assert torch.equal(c["dt_bias"], torch.ones(2, 64)) and c["l2norm"] is False and c["lower_bound"] == -2.5
+
+
+def test_other_dtypes_converted_and_returned_in_v_dtype(ext):
+    kw = layer_call(dtype=torch.float32)
+    kw["initial_state"] = torch.randn(1, 2, 64, 64)
+    o, ht = kdalab.chunk_kda(**kw)
+    c = ext.last
+    assert all(c[n].dtype == torch.bfloat16 for n in ("q", "k", "v", "g", "beta"))
+    assert o.dtype == torch.float32 and torch.equal(c["h0"], kw["initial_state"])
+    kw16 = {**layer_call(dtype=torch.float16), "use_gate_in_kernel": False, "A_log": None}
+    o, _ = kdalab.chunk_kda(**kw16)
+    assert ext.last["g"].dtype == torch.float32 and ext.last["q"].dtype == torch.bfloat16 and o.dtype == torch.float16
+
+
+def test_positional_arguments_in_fla_order(ext):
+    kw = layer_call()
+    h0 = torch.randn(1, 2, 64, 64)
+    o, ht = kdalab.chunk_kda(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], 0.25, h0, True, True, True, True,
+                             True, True, -4.0, True, False, True, A_log=kw["A_log"], dt_bias=kw["dt_bias"])
+    c = ext.last
+    assert (c["scale"], c["gate_id"], c["l2norm"], c["beta_mode"], c["lower_bound"], c["state_v_first"]) == \
+        (0.25, 1, True, 2, -4.0, True)
+    assert c["h0"] is h0 and ht is not None  # disable_recompute=True accepted (forward only: nothing to keep)
+
+
+def test_deprecated_transpose_state_layout(ext):
+    kdalab.chunk_kda(**{**layer_call(), "state_v_first": False, "transpose_state_layout": True})
+    assert ext.last["state_v_first"] is True
+
+
+def test_non_contiguous_inputs_made_contiguous(ext):
+    kw = layer_call()
+    kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    kdalab.chunk_kda(**kw)
+    assert ext.last["q"].is_contiguous() and torch.equal(ext.last["q"], kw["q"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("with_cpu", [False, True])
+def test_packed_sequences(ext, dtype, with_cpu):
+    kw = layer_call(T=50)
+    cu = torch.tensor([0, 7, 7, 40, 50], dtype=dtype)
+    kw.update(cu_seqlens=cu, initial_state=torch.randn(4, 2, 64, 64),
+              cu_seqlens_cpu=cu.clone() if with_cpu else None)
+    o, ht = kdalab.chunk_kda(**kw)
+    c = ext.last
+    assert c["cu_seqlens"].dtype == torch.int32 and c["cu_seqlens"].tolist() == [0, 7, 7, 40, 50]
+    assert c["max_seqlen"] == 33 and tuple(ht.shape) == (4, 2, 64, 64) and c["h0"] is kw["initial_state"]
+
+
+def test_packed_sequences_cpu_copy_is_trusted_over_a_device_copy(ext, monkeypatch):
+    """With cu_seqlens_cpu, cu_seqlens itself is never copied to the host."""
+    kw = layer_call(T=50)
+    cu = torch.tensor([0, 20, 50])
+
+    class NoCopy(torch.Tensor):
+        def cpu(self, *a, **k):
+            raise AssertionError("cu_seqlens was copied to the host")
+
+    kw.update(cu_seqlens=cu.as_subclass(NoCopy), cu_seqlens_cpu=cu, initial_state=None)
+    kdalab.chunk_kda(**kw)
+    assert ext.last["max_seqlen"] == 30
+    with pytest.raises(AssertionError, match="copied to the host"):
+        kdalab.chunk_kda(**{**kw, "cu_seqlens_cpu": None})
+
+
+# --------------------------------------------------------------------------
+# the custom op: fake implementation, opcheck with the fake extension, torch.compile
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("final", [False, True])
+def test_fake_tensors_trace_the_op(monkeypatch, v_first, final):
+    """CUDA tensors of FakeTensorMode go through the real device rule to the op's
+    fake implementation: shapes and dtypes without a kernel. (Packed sequences:
+    their contents are read on the host, which fake tensors have not; opcheck
+    below runs the fake implementation with cu_seqlens.)"""
+    monkeypatch.setattr(op, "_extension", lambda: pytest.fail("the extension was reached"))
+    with FakeTensorMode(), torch.inference_mode():
+        kw = layer_call(B=2, T=40, H=3, D=128, device="cuda", dtype=torch.float16)
+        h0 = torch.zeros(2, 3, 128, 128, device="cuda")
+        kw.update(state_v_first=v_first, output_final_state=final, initial_state=h0)
+        o, ht = kdalab.chunk_kda(**kw)
+        assert o.device.type == "cuda" and o.shape == (2, 40, 3, 128) and o.dtype == torch.float16
+        assert (ht is not None) == final
+        if final:
+            assert ht.shape == (2, 3, 128, 128) and ht.dtype == torch.float32 and ht.device.type == "cuda"
+
+
+def _op_args(T=24, H=2, D=64, N=None, final=True, v_first=False):
+    kw = layer_call(T=T, H=H, D=D, N=N)
+    return (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"].view(H, D),
+            kw["initial_state"], None if N is None else kw["cu_seqlens"].int(), D ** -0.5, 1, -5.0, True, 1,
+            v_first, final, 0 if N is None else T)
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("N", [None, 3])
+def test_opcheck_with_the_fake_extension(ext, final, N):
+    """torch.library.opcheck's schema, fake-tensor and AOT checks: the fake
+    implementation agrees with what the op returns (the real kernel: GPU test)."""
+    torch.library.opcheck(torch.ops.kdalab.chunk_kda_fwd.default, _op_args(N=N, final=final, v_first=True),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
+                                      "test_aot_dispatch_dynamic"))
+
+
+def test_compile_fullgraph_no_graph_break(ext):
+    """A small FLA-style KDA layer compiles with fullgraph=True (no graph break)
+    and gives what eager gives."""
+    torch.manual_seed(0)
+    layer = KDALayer(hidden_size=96, num_heads=2, head_dim=64)
+    x = torch.randn(2, 21, 96)
+    with torch.no_grad():
+        ref, ref_state = layer(x)
+        explanation = torch._dynamo.explain(layer)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+        torch._dynamo.reset()
+        y, state = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(state, ref_state)
+    assert len(ext.calls) >= 2
+
+
+def test_compile_fullgraph_with_packed_sequences(ext):
+    """Packed sequences compile without a graph break too: while tracing, the
+    contents of cu_seqlens are not read on the host and T bounds the longest
+    sequence (max_seqlen 0)."""
+    torch.manual_seed(0)
+    layer = KDALayer(hidden_size=96, num_heads=2, head_dim=64)
+    x = torch.randn(1, 30, 96)
+    cu = torch.tensor([0, 9, 30])
+    h0 = torch.randn(2, 2, 64, 64)
+    with torch.no_grad():
+        ref, ref_state = layer(x, h0, cu_seqlens=cu)
+        assert ext.last["max_seqlen"] == 21
+        explanation = torch._dynamo.explain(layer)(x, h0, cu_seqlens=cu)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        torch._dynamo.reset()
+        y, state = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, h0, cu_seqlens=cu)
+    assert ext.last["max_seqlen"] == 0 and ext.last["cu_seqlens"].tolist() == [0, 9, 30]
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(state, ref_state)
+
+
+# --------------------------------------------------------------------------
+# the FLA backend
+# --------------------------------------------------------------------------
+
+@pytest.fixture
+def fla_backend():
+    if fla_kda is None:
+        pytest.skip("fla-core is not installed (pip install -e '.[dev]')")
+    import kdalab.fla
+
+    return kdalab.fla
+
+
+@needs_fla
+def test_backend_registered_once(fla_backend):
+    from inspect import unwrap
+
+    from fla.backends import _function_registries
+
+    registry = _function_registries[unwrap(fla_kda.chunk_kda)]
+    before = dict(registry._backends)
+    b = fla_backend.register()
+    assert fla_backend.register() is not b  # replaced, not added
+    assert dict(registry._backends).keys() == before.keys()
+    b = registry._backends["kdalab"]
+    assert isinstance(b, fla_backend.KdalabBackend) and fla_backend.registered() is b
+    assert (b.priority, b.env_var, b.default_enable) == (2, "FLA_KDALAB", True)
+    order = [x.backend_type for x in registry._get_sorted_backends()]
+    assert "flash_kda" not in order or order.index("kdalab") < order.index("flash_kda")
+    assert b.is_available() and b.is_enabled()
+
+
+@needs_fla
+def test_backend_env_var_turns_it_off(fla_backend, monkeypatch):
+    monkeypatch.setenv("FLA_KDALAB", "0")
+    assert not fla_backend.registered().is_enabled()
+
+
+@needs_fla
+@pytest.mark.parametrize("N", [None, 3])
+def test_verifier_accepts_the_fla_layer_call(fla_backend, N):
+    b = fla_backend.registered()
+    with FakeTensorMode(), torch.inference_mode():
+        kw = layer_call(T=80, H=2, D=128, device="cuda", N=N)
+        assert b.verify("chunk_kda", **kw) == (True, None)
+    with FakeTensorMode():
+        kw = layer_call(T=80, H=2, D=128, device="cuda", N=N)
+        ok, why = b.verify("chunk_kda", **kw)  # grad enabled: training stays on FLA's kernels
+    assert not ok and "grad" in why
+
+
+@needs_fla
+@pytest.mark.parametrize("case", ["safe_gate_false", "lower_bound_none", "gva", "k_ne_v", "chunk_size_64",
+                                  "intermediate_states", "cp_context", "use_graph", "float64", "state_bf16",
+                                  "unknown_kwarg", "cu_batch_2"])
+def test_verifier_refuses_with_the_reason(fla_backend, case, monkeypatch):
+    monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
+    change, exc, text = REFUSALS[case]
+    kw = layer_call()
+    change(kw)
+    with torch.inference_mode():
+        ok, why = fla_backend.registered().verify("chunk_kda", **kw)
+    assert not ok and text in why
+
+
+@needs_fla
+def test_fla_chunk_kda_dispatches_to_kdalab(fla_backend, ext):
+    """FLA's own chunk_kda, called as its KDA layer calls it (packed sequences)
+    under inference mode, runs kdalab's kernel (the fake extension records the
+    call; FLA's Triton kernels could not run here)."""
+    kw = layer_call(T=80, H=2, D=128, N=2)
+    with torch.inference_mode():
+        o, ht = fla_kda.chunk_kda(**kw)
+    c = ext.last
+    assert (c["gate_id"], c["l2norm"], c["beta_mode"], c["state_v_first"], c["max_seqlen"]) == (1, True, 1, True, 40)
+    assert o.shape == (1, 80, 2, 128) and ht.shape == (2, 2, 128, 128) and len(ext.calls) == 1
+    with pytest.raises(Exception):  # grad enabled: FLA's own kernels (which cannot run on this CPU)
+        fla_kda.chunk_kda(**kw)
+    assert len(ext.calls) == 1
