@@ -812,6 +812,10 @@ def _fused_row(stage_id):
     sid = normalize(stage_id)
     info = PATHS_RECORDED[sid]
     stage = load_stage(sid)
+    if "profile" not in info:
+        print(f"no fused-kernel profile of {stage.SPEC.name} is recorded or taken here (its kernels are stage "
+              f"{previous(sid)}'s: see that stage's notebook)")
+        return None
     path, shape = info["profile_path"], info["profile_shape"]
     ok, why = stage.SPEC.runnable_here()
     if ok:
@@ -860,6 +864,203 @@ def fused_profile(stage_id="09"):
     return plot_chunk_timeline(bars, labels=labels, brace=(f"{ncw} compute warps", first, f"the chain: {chain}"),
                                title=f"The fused kernel ({row['path']}) per chunk, {bench.shape_label(row)} "
                                      f"({'measured live' if where == 'live' else 'recorded on the H200'})")
+
+
+# ---- packed sequences (stage 11): one call over sequences of different lengths ----
+
+VARLEN_MIX_ORDER = ("flashkda", "serving64", "long+short")  # scripts/bench_varlen.py MIXES
+VARLEN_LIVE_MIX = "flashkda"  # the mix timed live on a GPU (FlashKDA's varlen shape: seconds)
+VARLEN_LIVE_TIMEOUT_S = 600
+_VARLEN: dict = {}  # stage id -> (rows, notes, recorded meta): measured once per notebook session
+
+
+def varlen_demo(lengths=(7, 0, 20, 33), H=2, K=64, V=64, seed=0, stage_id="11") -> pd.DataFrame:
+    """Packed sequences on the fp64 token loop, small enough for a CPU (on
+    the stage's bf16 inputs, in fp64): the packed call (common.checks.kda_reference_varlen with cu_seqlens) against
+    each sequence called alone (common.reference.kda_reference on its slice
+    and its own h0), and against the packed tensor taken as one long
+    sequence (no cu_seqlens: the state runs on across the boundaries). One
+    row per sequence, the largest absolute difference of its o and of its
+    final state. Prints whether the V-first final state is the K-first one
+    transposed. On a GPU the stage's packed call (bf16) is added, as the
+    relative error of each sequence against the one called alone."""
+    from .metrics import rel_err
+    from .reference import kda_reference
+
+    case = checks.VarlenCase(tuple(lengths), H=H, K=K, V=V, h0=True, state_v_first=False, seed=seed)
+    spec = load_stage(stage_id).SPEC
+    low = checks.varlen_inputs(case, "cpu", spec.compute_dtype)  # the stage's inputs (bf16)
+    inp = {n: (x.to(torch.float64) if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in low.items()}
+    b = case.bounds()
+    print(f"{case.N} sequences of {', '.join(map(str, lengths))} tokens packed into T = {case.T}; "
+          f"cu_seqlens = {b}")
+    with torch.no_grad():
+        o_p, S_p = checks.kda_reference_varlen(**inp)
+        h0 = inp["initial_state"]
+        o_one, _ = checks.kda_reference_varlen(**dict(inp, cu_seqlens=None, initial_state=h0[:1]))
+        vf = dict(inp, initial_state=h0.transpose(-1, -2).contiguous(), state_v_first=True)
+        _, S_vf = checks.kda_reference_varlen(**vf)
+        ref_kw = {x: inp[x] for x in ("A_log", "dt_bias", "scale", "gate", "lower_bound")}
+        alone = []
+        for n in range(case.N):
+            s, e = b[n], b[n + 1]
+            if e == s:  # nothing to run: its final state is its h0
+                alone.append((None, h0[n].to(torch.float64)))
+                continue
+            o, S = kda_reference(*(inp[x][:, s:e] for x in ("q", "k", "v", "g", "beta")),
+                                 initial_state=h0[n:n + 1], **ref_kw)
+            alone.append((o, S[0]))
+    got = None
+    ok, why = spec.runnable_here()
+    if ok:
+        got = checks.run_varlen(load_stage(stage_id).forward, low, checks.stage_device(spec))
+    rows = []
+    for n in range(case.N):
+        s, e = b[n], b[n + 1]
+        o_a, S_a = alone[n]
+        d = {"sequence": n, "tokens": f"{s}..{e - 1}" if e > s else "(empty)", "length": e - s,
+             "packed vs alone: max |o diff|": None if o_a is None else (o_p[:, s:e] - o_a).abs().max().item(),
+             "packed vs alone: max |S diff|": (S_p[n] - S_a).abs().max().item(),
+             "one long sequence vs alone: o rel. error":
+                 None if o_a is None else rel_err(o_one[:, s:e], o_a)}
+        if got is not None:
+            d[f"{spec.name} (bf16) packed vs alone: o rel. error"] = \
+                None if o_a is None else rel_err(got["o"][:, s:e], o_a)
+            d[f"{spec.name} (bf16) packed vs alone: S rel. error"] = rel_err(got["S"][n], S_a)
+        rows.append(d)
+    d = (S_vf.transpose(-1, -2) - S_p).abs().max().item()
+    print(f"V-first final states [N, H, V, K] against the K-first ones [N, H, K, V] transposed: max |S diff| "
+          f"{d:.1e} (of states up to {S_p.abs().max().item():.2f}; fp64 round-off, the sums in another order)")
+    print(f"{spec.name} packed on this machine: " + ("measured live, bf16, the last columns" if got is not None
+                                                     else f"not run ({why})"))
+    df = pd.DataFrame(rows).set_index("sequence")
+    return df.style.format({c: "{:.1e}" for c in df.columns if c not in ("tokens", "length")}, na_rep="-")
+
+
+def _varlen_live(stage_id):
+    """On a GPU: scripts/bench_varlen.py at VARLEN_LIVE_MIX (its measurement, in a subprocess, fp64
+    reference included), as rows. Returns (rows, note)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from .paths import REPO_ROOT
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "varlen.json"
+        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "bench_varlen.py"), "--mixes", VARLEN_LIVE_MIX,
+               "--budget", "0.3", "--stage", normalize(stage_id), "--out", str(out)]
+        print(f"timing the packed call live at mix {VARLEN_LIVE_MIX} (python scripts/bench_varlen.py --mixes "
+              f"{VARLEN_LIVE_MIX} --budget 0.3; about 30 s) ...", flush=True)
+        try:
+            run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=VARLEN_LIVE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return [], f"the live run took more than {VARLEN_LIVE_TIMEOUT_S} s: every mix recorded"
+        if run.returncode != 0 or not out.exists():
+            tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or [""]
+            return [], f"the live run failed (exit {run.returncode}: {tail[0][:200]}): every mix recorded"
+        return json.loads(out.read_text())["rows"], ""
+
+
+def _varlen(stage_id="11"):
+    """The packed-sequence rows of a varlen stage: live at VARLEN_LIVE_MIX on a GPU
+    (:func:`_varlen_live`), recorded for the rest (results.VARLEN_RECORDED).
+    Returns (rows, each with where = "live" or "recorded"; notes; the recorded
+    file's meta). Measured once per notebook session."""
+    sid = normalize(stage_id)
+    if sid in _VARLEN:
+        return _VARLEN[sid]
+    data = results.varlen_record(sid) or {}
+    meta, rec = data.get("meta"), data.get("rows", [])
+    spec = load_stage(sid).SPEC
+    ok, why = spec.runnable_here()
+    notes, live = [], []
+    if ok:
+        live, note = _varlen_live(sid)
+        if note:
+            notes.append(note)
+    live_mixes = {r["mix"] for r in live}
+    rows = [dict(r, where="live") for r in live] + [dict(r, where="recorded") for r in rec
+                                                    if r["mix"] not in live_mixes]
+    if not ok:
+        notes.append(f"{spec.name} packed: recorded ({why})" if rec else f"{spec.name} packed: no figures ({why})")
+    elif live_mixes:
+        notes.append(f"mix {', '.join(sorted(live_mixes))}: measured live; the other mixes recorded (they take "
+                     "minutes: python scripts/bench_varlen.py times them all)")
+    _VARLEN[sid] = (rows, notes, meta)
+    return _VARLEN[sid]
+
+
+def _say_varlen(stage_id):
+    rows, notes, meta = _varlen(stage_id)
+    for n in notes:
+        print(n)
+    if meta is not None and any(r["where"] == "recorded" for r in rows):
+        print("recorded: " + results.label(meta))
+    return rows
+
+
+def _varlen_impl(row) -> str:
+    """An implementation's label across mixes (the per-sequence loop's call count dropped)."""
+    return re.sub(r" \(\d+ calls\)$", "", row["impl"])
+
+
+def varlen_table(stage_id="11") -> pd.DataFrame:
+    """Packed sequences: per mix of sequence lengths (N sequences, T tokens in
+    all, H heads, K = V = 128), the stage's packed call in both state layouts,
+    FlashKDA's varlen call and, where measured, the stage before called once
+    per sequence: GPU time (CUDA-graph replay), time over FlashKDA's, and the
+    relative error of o and of the final states against the fp64 token loop
+    run sequence by sequence. Live at one mix on a GPU, else recorded
+    (results/h200/stageNN/varlen_*.json)."""
+    rows = _say_varlen(stage_id)
+    order = {m: i for i, m in enumerate(VARLEN_MIX_ORDER)}
+    out = []
+    for r in sorted(rows, key=lambda r: order.get(r["mix"], 99)):
+        out.append({"mix": r["mix"], "N": r["N"], "T": r["T"], "H": r["H"], "impl": r["impl"],
+                    "GPU ms": r.get("gpu_ms"), "x FlashKDA": r.get("vs_flashkda"),
+                    "o err vs fp64": r.get("o_err_ref"), "S err vs fp64": r.get("S_err_ref"),
+                    "where": r["where"] + (f" (failed: {r['error']})" if r.get("error") else "")})
+    if not out:
+        return pd.DataFrame()
+    df = pd.DataFrame(out).set_index(["mix", "N", "T", "H", "impl"])
+    return df.style.format({"GPU ms": "{:.4f}", "x FlashKDA": "{:.3f}", "o err vs fp64": "{:.2e}",
+                            "S err vs fp64": "{:.2e}"}, na_rep="-")
+
+
+@figure
+def varlen_plot(stage_id="11"):
+    """The figure of :func:`varlen_table`: per mix, the GPU time of FlashKDA's
+    varlen call, the stage's packed call (V-first state, FlashKDA's layout) and
+    the stage before called once per sequence, each bar labelled, "n/a" where
+    not measured."""
+    rows = _say_varlen(stage_id)
+    if not rows:
+        return None
+    sid = normalize(stage_id)
+    name = load_stage(sid).SPEC.name
+    keep = {FLASHKDA, f"{name} (V-first state)"}
+    order = {m: i for i, m in enumerate(VARLEN_MIX_ORDER)}
+    mixed = len({r["where"] for r in rows}) > 1
+    bars = []
+    for r in sorted(rows, key=lambda r: order.get(r["mix"], 99)):
+        impl = _varlen_impl(r)
+        if impl not in keep and not r.get("per_sequence_loop") and "once per sequence" not in impl:
+            continue
+        label = f"{r['mix']}\nN={r['N']} T={r['T']} H={r['H']}" + (f"\n({r['where']})" if mixed else "")
+        bars.append(dict(mix=label, impl=impl, ms=None if r.get("error") else r.get("gpu_ms")))
+    bars.sort(key=lambda b: {FLASHKDA: 0}.get(b["impl"], 1 if b["impl"].startswith(name) else 2))
+    bars.sort(key=lambda b: order.get(b["mix"].split("\n")[0], 99))  # stable: mixes in order, bars in order
+    meta = _varlen(sid)[2] or {}
+    src = "live and recorded rows" if mixed else "measured live" if rows[0]["where"] == "live" else \
+        f"recorded on {meta.get('device')}, {str(meta.get('date'))[:10]}, commit {meta.get('commit')}"
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=(9, 4.2))
+    return plot_bars(bars, x="mix", y="ms", by="impl", ax=ax, logy=False, ylabel="GPU ms per call",
+                     value_fmt=".4g", value_rotation=0, value_fontsize=7,
+                     title=f"Packed sequences at K = V = 128, GPU time ({src})")
 
 
 TC_LADDER = ["05", "06", "07", "08", "09", "10"]  # the tensor-core stages, in the README's figure and the summary notebook

@@ -182,10 +182,12 @@ def plot_latency(rows, *, x: str = "T", y: str = "ms", by: str = "stage", title:
     return ax
 
 
-def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: bool = True, ylabel=None):
+def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: bool = True, ylabel=None,
+              value_fmt: str = ".3g", value_rotation: float = 90, value_fontsize: float = 6):
     """Grouped bars: one group per value of ``x`` (e.g. a shape), one bar per ``by``. Each bar carries its
-    value (so that steps of 1.02-1.3x, which a log axis hides, can be read) and a missing one says "n/a"; the
-    log axis is labelled at 1, 2 and 5 of every decade."""
+    value (so that steps of 1.02-1.3x, which a log axis hides, can be read; ``value_fmt``, written at
+    ``value_rotation`` degrees) and a missing one says "n/a"; the log axis is labelled at 1, 2 and 5 of
+    every decade."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     if ax is None:
@@ -209,8 +211,9 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
         ax.bar(at, [v or 0.0 for v in vals], width=width, label=str(b), color=series_color(str(b)),
                alpha=0.55 if "anchor" in str(b) or "recorded" in str(b) else 1.0)
         for xpos, v in zip(at, vals):
-            text, ypos = ("n/a", floor) if v is None else (f"{v:.3g}", v)
-            ax.text(xpos, ypos * (1.06 if logy else 1.0), text, rotation=90, ha="center", va="bottom", fontsize=6)
+            text, ypos = ("n/a", floor) if v is None else (format(v, value_fmt), v)
+            ax.text(xpos, ypos * (1.06 if logy else 1.0), text, rotation=value_rotation, ha="center", va="bottom",
+                    fontsize=value_fontsize)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(xs))], [str(v) for v in xs], rotation=20, ha="right",
                   fontsize=8)
     if logy:

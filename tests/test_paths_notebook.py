@@ -1,4 +1,4 @@
-"""The notebook helpers of a stage with several paths (stages 08, 09 and 10): the
+"""The notebook helpers of a stage with several paths (stages 08-11): the
 table and figure of every path (common.notebook.paths_table / paths_plot, with
 the checks of path_problems) and the fused kernel's timeline per chunk
 (chunk_profile / fused_profile). Tested on each stage's recorded file and on
@@ -15,25 +15,31 @@ from common.contract import StageSpec
 from common.stages import load_stage, path_stages, previous
 
 B8 = "B8 T1024 H64 K128 V128"
+K64 = "B2 T2048 H4 K64 V64"  # the record's K = V = 64 shape (where fused8 and FlashKDA do not run)
 # What each stage's record holds (results/h200/stageNN/paths_04c36d6.json and, for the fused kernel's regions,
-# profile_2bcc81f.json), read off the files: the rule at B=8 and its reference and FlashKDA in the same call, the
-# figure's texts, how many shapes fit the live budget, the fused kernel per chunk.
+# profile_2bcc81f.json; stage 11: stage11/paths_e242ae3.json, no profile of its own), read off the files: the rule
+# at B=8 and its reference and FlashKDA in the same call, the figure's texts, how many of the record's shapes
+# fit the live budget, the fused kernel per chunk.
 EXPECT = {
-    "08": dict(rule=1.2001, prev=1.1972, over_fk=1.49, rule_bitwise=True, fused8_peak=None, live=6,
+    "08": dict(rule=1.2001, prev=1.1972, over_fk=1.49, rule_bitwise=True, fused8_peak=None, live=6, shapes=7,
                plot={"0.169", "1.2", "0.806", "2.05"}, mem={"872", "662", "179", "591"}),
-    "09": dict(rule=0.7259, prev=1.2049, over_fk=0.889, rule_bitwise=False, fused8_peak=167.8, live=3,
+    "09": dict(rule=0.7259, prev=1.2049, over_fk=0.889, rule_bitwise=False, fused8_peak=167.8, live=3, shapes=7,
                plot={"0.726", "0.817", "2"}, mem={"872", "168", "662", "2.2"},
                prepare=4.86e3, chain=3.56e3, wait=1.32e3, chain_label="the chain: 3.6e3"),
-    "10": dict(rule=0.5736, prev=0.7218, over_fk=0.713, rule_bitwise=False, fused8_peak=167.8, live=3,
+    "10": dict(rule=0.5736, prev=0.7218, over_fk=0.713, rule_bitwise=False, fused8_peak=167.8, live=3, shapes=7,
                plot={"0.574", "0.805", "1.88"}, mem={"168", "662", "2.2"},
                prepare=4.39e3, chain=4.08e3, wait=407, chain_label="the chain: 4.1e3"),
+    # stage 10's kernels over sequences: bitwise stage 10 on every path (the fused ones too), five shapes
+    "11": dict(rule=0.5974, prev=0.5817, over_fk=0.743, rule_bitwise=True, fused8_peak=167.8, live=3, shapes=5,
+               k64="B1 T1024 H64 K64 V64", plot={"0.597", "0.804", "1.71", "1.63"}, mem={"168", "662", "591", "9.4"}),
 }
 # Stages with PATHS that have no recorded paths file yet (scripts/bench_paths.py not run on an H200 since they
 # were added): they need one, and their figures here, before they leave this set (the test below holds that).
-PENDING = {"11"}
-FUSED = [sid for sid in EXPECT if "prepare" in EXPECT[sid]]  # the stages with the fused kernel
+PENDING: set = set()
+FUSED = [sid for sid in EXPECT if "prepare" in EXPECT[sid]]  # the stages with a recorded fused-kernel profile
 REC = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["table"]) for sid in EXPECT}
-PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid in EXPECT}
+PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid in EXPECT
+        if "profile" in notebook.PATHS_RECORDED[sid]}
 
 
 @pytest.fixture(params=list(EXPECT))
@@ -67,11 +73,13 @@ def _row(rows, stage, path, shape=B8):
 def recorded(monkeypatch, sid):
     """The notebook reads a copy of the stage's recorded paths file, which a test may spoil."""
     meta, rows = copy.deepcopy(REC[sid])
-    _, prof = copy.deepcopy(PROF[sid])
     names = notebook.PATHS_RECORDED[sid]
-    if names["profile"] == names["table"]:  # one file: the spoiled copy is both
+    prof = copy.deepcopy(PROF[sid])[1] if sid in PROF else None
+    if names.get("profile") == names["table"]:  # one file: the spoiled copy is both
         prof = rows
-    files = {names["profile"]: (meta, prof), names["table"]: (meta, rows)}
+    files = {names["table"]: (meta, rows)}
+    if "profile" in names:
+        files[names["profile"]] = (meta, prof)
     real = notebook._recorded
     monkeypatch.setattr(notebook, "_recorded", lambda name: files[name] if name in files else real(name))
     monkeypatch.setattr(notebook, "_PATHS", {})
@@ -96,7 +104,7 @@ def test_the_recorded_paths_pass_their_checks(recorded, capsys, sid):
     assert rule["FlashKDA peak MB"] == 662.4
     if e["fused8_peak"] is not None:
         assert df.loc[(B8, "fused8"), "peak MB"] == e["fused8_peak"]
-    assert "fused8" not in df.loc["B2 T2048 H4 K64 V64"].index  # 8 compute warps need V = 128
+    assert "fused8" not in df.loc[e.get("k64", K64)].index  # 8 compute warps need V = 128
 
 
 @pytest.mark.parametrize("who,path,spoil,why", [
@@ -159,10 +167,10 @@ def test_live_paths_fit_the_budget_and_show_the_rest_recorded(recorded, monkeypa
     monkeypatch.setattr(bench, "path_rows", fake)
     df = notebook.paths_table(sid)
     out = capsys.readouterr().out
-    n = EXPECT[sid]["live"]  # the shapes whose recorded rows predict at most 30 s in all, in the file's order
+    n, m = EXPECT[sid]["live"], EXPECT[sid]["shapes"]  # the shapes whose recorded rows predict at most 30 s in all
     shapes = list(dict.fromkeys(bench.shape_label(r) for r in rows))
-    assert measured == shapes[:n]
-    assert f"live at {n} of 7 shapes" in out and f"{7 - n} shape(s) recorded, not timed live" in out
+    assert len(shapes) == m and measured == shapes[:n]  # in the file's order
+    assert f"live at {n} of {m} shapes" in out and f"{m - n} shape(s) recorded, not timed live" in out
     assert set(df.loc[B8, "where"]) == {"live"} and set(df.loc[shapes[-1], "where"]) == {"recorded"}
     assert df.loc[(B8, "rule"), "GPU ms"] == pytest.approx(EXPECT[sid]["rule"] / 2, abs=5e-4)
     ax = notebook.paths_plot(sid)  # the same measurement, not a second one
@@ -217,3 +225,13 @@ def test_fused_profile_refuses_a_profile_of_the_split_kernels(recorded, sid):
     _fused8_b8(prof, sid)["kernels"] = ["kda_prepare_kernel", "kda_recurrence_kernel"]
     with pytest.raises(ValueError, match="not the fused kernel alone"):
         notebook.fused_profile(sid)
+
+
+def test_fused_profile_of_a_stage_without_its_own_says_so(capsys):
+    """Stage 11 runs stage 10's kernels: no fused-kernel profile of its own is recorded (PATHS_RECORDED has no
+    "profile"), and fused_profile says so instead of drawing, on any machine."""
+    own = [sid for sid in EXPECT if "profile" not in notebook.PATHS_RECORDED[sid]]
+    assert own == ["11"]
+    for sid in own:
+        assert notebook.fused_profile(sid) is None
+        assert "no fused-kernel profile of" in capsys.readouterr().out

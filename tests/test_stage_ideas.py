@@ -14,7 +14,7 @@ MAX_IDEAS = 4
 TC_STAGES = [s for s in stage_ids() if int(s) >= 5]
 # Stages whose ideas are not yet measured on the H200 (added since the last GPU run): each idea's row says
 # "pending" where its figure goes, and the stage leaves this set with its first recorded figure.
-PENDING = {"11"}
+PENDING: set = set()  # none: stage 11's idea was measured on the H200 (results/h200/stage11/, 2026-12-02)
 
 
 def ideas_section(text: str) -> str:

@@ -1,0 +1,95 @@
+"""The notebook helpers of packed sequences (stage 11): the fp64 demonstration
+that a packed call is each sequence alone (common.notebook.varlen_demo, on the
+CPU), the recorded packed-sequence table and its figure (varlen_table,
+varlen_plot, from results/h200/stage11/varlen_e242ae3.json), and the live branch
+with a stand-in for scripts/bench_varlen.py."""
+
+import copy
+
+import pytest
+
+from common import notebook, results
+from common.contract import StageSpec
+
+REC = results.varlen_record("11")
+
+
+def test_the_record_is_registered():
+    assert results.VARLEN_RECORDED == {"11": "stage11/varlen_e242ae3"}
+    assert REC["meta"]["device"] == "NVIDIA H200" and len(REC["rows"]) == 10
+    assert results.varlen_record("10") is None
+
+
+def test_packed_is_each_sequence_alone_on_the_reference(capsys):
+    df = notebook.varlen_demo(lengths=(5, 0, 17, 9), H=2, K=64, V=64).data
+    out = capsys.readouterr().out
+    assert list(df["length"]) == [5, 0, 17, 9] and df.loc[1, "tokens"] == "(empty)"
+    assert (df["packed vs alone: max |o diff|"].fillna(0) == 0).all()  # exactly: the same sums
+    assert (df["packed vs alone: max |S diff|"] == 0).all()  # the empty sequence keeps its h0
+    one = df["one long sequence vs alone: o rel. error"]
+    assert one[0] == 0 and one[2] > 1e-2 and one[3] > 1e-2  # the state runs on across a boundary
+    assert "cu_seqlens = [0, 5, 5, 22, 31]" in out and "V-first final states" in out
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The notebook reads a copy of the recorded file, which a test may change."""
+    data = copy.deepcopy(REC)
+    monkeypatch.setattr(results, "varlen_record", lambda sid="11": data if sid == "11" else None)
+    monkeypatch.setattr(notebook, "_VARLEN", {})
+    return data
+
+
+def test_the_recorded_table_is_the_file(recorded, capsys):
+    df = notebook.varlen_table("11").data
+    out = capsys.readouterr().out
+    assert "recorded on NVIDIA H200" in out and "commit e242ae3" in out
+    assert len(df) == 10 and set(df["where"]) == {"recorded"}
+    assert list(df.index.get_level_values("mix").unique()) == ["flashkda", "serving64", "long+short"]
+    fk = ("flashkda", 6, 8192, 96)
+    assert df.loc[fk + ("11_varlen (V-first state)",), "x FlashKDA"] == 0.686
+    assert df.loc[fk + ("11_varlen (K-first state)",), "GPU ms"] == 0.9549
+    assert df.loc[fk + ("10_smem_diet once per sequence (6 calls)",), "GPU ms"] == 1.2701
+    assert df.loc[fk + ("FlashKDA",), "o err vs fp64"] == 0.00598
+    assert df.loc[("serving64", 64, 61362, 32, "11_varlen (V-first state)"), "x FlashKDA"] == 0.733
+    assert df.loc[("long+short", 49, 20239, 32, "11_varlen (V-first state)"), "S err vs fp64"] == 0.00287
+
+
+def test_the_plot_has_every_bar_and_says_n_a(recorded):
+    ax = notebook.varlen_plot("11")
+    texts = [t.get_text() for t in ax.texts]
+    assert {"1.397", "0.9588", "1.27", "3.001", "2.198", "1.878", "1.586"} <= set(texts)
+    assert texts.count("n/a") == 2  # the per-sequence loop was timed at the first mix only
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "FlashKDA", "11_varlen (V-first state)", "10_smem_diet once per sequence"]
+    assert "recorded on NVIDIA H200, 2026-12-02, commit e242ae3" in ax.get_title()
+
+
+def test_live_on_a_gpu_measures_one_mix_and_shows_the_rest_recorded(recorded, monkeypatch, capsys):
+    """On a GPU (stood in for here): scripts/bench_varlen.py at the first mix, the other mixes recorded,
+    measured once per session."""
+    monkeypatch.setattr(StageSpec, "runnable_here", lambda self: (True, ""))
+    calls = []
+
+    def fake(sid):
+        calls.append(sid)
+        return [dict(r, gpu_ms=r["gpu_ms"] / 2) for r in recorded["rows"] if r["mix"] == "flashkda"], ""
+
+    monkeypatch.setattr(notebook, "_varlen_live", fake)
+    df = notebook.varlen_table("11").data
+    out = capsys.readouterr().out
+    assert calls == ["11"] and "mix flashkda: measured live" in out
+    where = df.reset_index().groupby("mix")["where"].agg(set)
+    assert where["flashkda"] == {"live"} and where["serving64"] == where["long+short"] == {"recorded"}
+    assert df.loc[("flashkda", 6, 8192, 96, "FlashKDA"), "GPU ms"] == pytest.approx(1.3974 / 2)
+    ax = notebook.varlen_plot("11")  # the same measurement, not a second one
+    assert calls == ["11"] and "live and recorded rows" in ax.get_title()
+
+
+def test_a_failed_live_run_falls_back_to_the_record(recorded, monkeypatch, capsys):
+    monkeypatch.setattr(StageSpec, "runnable_here", lambda self: (True, ""))
+    monkeypatch.setattr(notebook, "_varlen_live", lambda sid: ([], "the live run failed (exit 2: x): every mix "
+                                                                   "recorded"))
+    df = notebook.varlen_table("11").data
+    out = capsys.readouterr().out
+    assert "the live run failed" in out and set(df["where"]) == {"recorded"} and len(df) == 10
