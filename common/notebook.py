@@ -653,13 +653,17 @@ def _paths(stage_id, budget_s: float = LIVE_BUDGET_S):
     return _PATHS[sid]
 
 
-def _say_paths(stage_id):
-    rows, notes, meta = _paths(stage_id)
+def _say(rows, notes, meta):
+    """Print a table's notes and, where any of its rows is recorded, the record's provenance; return the rows."""
     for n in notes:
         print(n)
     if meta is not None and any(r["where"] == "recorded" for r in rows):
         print("recorded: " + results.label(meta))
     return rows
+
+
+def _say_paths(stage_id):
+    return _say(*_paths(stage_id))
 
 
 def paths_table(stage_id="09") -> pd.DataFrame:
@@ -993,12 +997,7 @@ def _varlen(stage_id="11"):
 
 
 def _say_varlen(stage_id):
-    rows, notes, meta = _varlen(stage_id)
-    for n in notes:
-        print(n)
-    if meta is not None and any(r["where"] == "recorded" for r in rows):
-        print("recorded: " + results.label(meta))
-    return rows
+    return _say(*_varlen(stage_id))
 
 
 def _varlen_impl(row) -> str:
