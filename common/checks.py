@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .contract import poisoned
+from .contract import check_cu_seqlens, poisoned
 from .inputs import TENSOR_ARGS, make_cotangents, make_inputs
 from .metrics import rel_err, tolerance, worst
 from .reference import kda_reference
@@ -548,12 +548,8 @@ def varlen_inputs(case: VarlenCase, device="cpu", dtype=torch.bfloat16) -> dict:
 
 
 def _bounds(cu_seqlens, T: int) -> list[int]:
-    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor [N + 1] with N >= 1, got {cu_seqlens!r}")
-    b = [int(x) for x in cu_seqlens.tolist()]
-    if b[0] != 0 or b[-1] != T or any(y < x for x, y in zip(b, b[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T = {T}, got {b}")
-    return b
+    """The token offsets of packed sequences, checked as the stage contract checks them."""
+    return check_cu_seqlens(cu_seqlens, 1, T, getattr(cu_seqlens, "device", None))[0].tolist()
 
 
 def kda_reference_varlen(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,

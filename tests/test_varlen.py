@@ -161,7 +161,7 @@ def test_the_v_first_reference_is_the_transposed_k_first_one():
 
 
 @pytest.mark.parametrize("cu, msg", [
-    ([0, 5, 3, 8], "rise from 0"), ([1, 4, 8], "rise from 0"), ([0, 4, 7], "rise from 0"), ([0], "N >= 1"),
+    ([0, 5, 3, 8], "non-decreasing"), ([1, 4, 8], "start at 0"), ([0, 4, 7], "end at T = 8"), ([0], "N >= 1"),
 ])
 def test_the_reference_refuses_bad_cu_seqlens(cu, msg):
     kw = checks.varlen_inputs(_case(lengths=(4, 4), H=1, K=8, V=8, h0=False), dtype=torch.float32)
