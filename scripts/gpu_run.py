@@ -300,6 +300,7 @@ def main():
                    help="build FlashKDA from $KDALAB_FLASHKDA_SRC (default .flashkda) first and include it in the "
                         "checks and bench-tc phases (the phase flashkda does the same)")
     p.add_argument("--bench-timeout", type=int, default=420)
+    p.add_argument("--pytest-timeout", type=int, default=900, help="seconds for the tests phase (after checks)")
     p.add_argument("--pytest-k", default=None, help="pytest -k expression for the tests phase")
     p.add_argument("--shapes", default=None, help="bench only these rows of each sweep (kdalab bench --shapes)")
     p.add_argument("--notebooks", default="", help="comma-separated notebook name prefixes (default: all)")
@@ -337,15 +338,15 @@ def main():
     if not built:
         log("BUILD FAILED: see build.txt")
         return 1
+    if "checks" in phases:
+        record_checks(stages, fla=args.fla, flashkda=flashkda and bool(tc))
     if "tests" in phases:
         os.environ["KDALAB_STAGES"] = ",".join(stages)
         sh([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts=",
             "--junitxml", str(OUT / "junit.xml"), "tests/test_gpu_stages.py", "tests/test_stage_paths.py", "tests/test_profile_regions.py", "tests/test_contract.py",
             "tests/test_flashkda.py", "tests/test_varlen.py", "tests/test_op.py", "tests/test_op_gpu.py"]
            + (["-k", args.pytest_k] if args.pytest_k else []),
-           900, "pytest")
-    if "checks" in phases:
-        record_checks(stages, fla=args.fla, flashkda=flashkda and bool(tc))
+           args.pytest_timeout, "pytest")
     if "profiles" in phases:
         record_profiles(stages)
     if "launches" in phases:

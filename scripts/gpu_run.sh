@@ -7,12 +7,13 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIS
 export OUT=${OUT:-/tmp/kdalab-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  # fla-core apart, in /tmp/site_fla: gpu_run.py puts it on the path only where FLA is asked for (--fla, notebooks-fla)
+  # fla-core (and flash-linear-attention's fla.layers, einops) apart, in /tmp/site_fla: gpu_run.py puts it on the path only where FLA is asked for (--fla, notebooks-fla)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      $(ls .whl/*.whl | grep -v fla_core) && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  if ls .whl/fla_core*.whl >/dev/null 2>&1; then
+      $(ls .whl/*.whl | grep -v -e fla_core -e flash_linear_attention -e einops) \
+      && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  if ls .whl/fla_core*.whl >/dev/null 2>&1; then  # with fla.layers (flash_linear_attention) and einops when carried
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fla \
-        .whl/fla_core*.whl
+        $(ls .whl/*.whl | grep -e fla_core -e flash_linear_attention -e einops)
   fi
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
