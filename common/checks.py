@@ -50,12 +50,13 @@ class Case:
     lower_bound: float | None = None
     h0: bool = True
     seed: int = 0
+    extreme: bool = False  # the gate at its extremes (inputs.make_inputs(extreme=True))
 
     @property
     def id(self) -> str:
         lb = f"{self.lower_bound:g}" if (self.gate == "bounded" and self.lower_bound is not None) else ""
         return (f"B{self.B}-T{self.T}-H{self.H}-K{self.K}-V{self.V}-c{self.chunk}-{self.gate}{lb}"
-                f"{'' if self.h0 else '-noh0'}-s{self.seed}")
+                f"{'-extreme' if self.extreme else ''}{'' if self.h0 else '-noh0'}-s{self.seed}")
 
 
 def cpu_cases(quick: bool = False):
@@ -109,6 +110,23 @@ def tc_cases(quick: bool = False):
     return [cases[0], cases[1], cases[5]] if quick else cases
 
 
+def tc_softplus_cases(quick: bool = False):
+    """Shapes for the tensor-core stages that take the softplus gate (Kimi Linear's,
+    no lower bound; chunk 16, K = V in {64, 128}): B > 1 with h0 and a tail at both
+    head sizes, h0 absent, B*H = 256, and the gate at its extremes (A_log up to 3,
+    g + dt_bias in [-20, 20], a whole chunk at the strongest decay) with and without
+    h0. The quick subset keeps the first B > 1 case and one extreme one."""
+    cases = [
+        Case(2, 257, 3, 128, 128, chunk=16, gate="softplus", seed=41),
+        Case(3, 77, 5, 64, 64, chunk=16, gate="softplus", seed=42),
+        Case(1, 1000, 2, 128, 128, chunk=16, gate="softplus", h0=False, seed=43),
+        Case(4, 130, 64, 128, 128, chunk=16, gate="softplus", seed=44),
+        Case(2, 200, 4, 128, 128, chunk=16, gate="softplus", extreme=True, seed=45),
+        Case(2, 100, 3, 64, 64, chunk=16, gate="softplus", extreme=True, h0=False, seed=46),
+    ]
+    return [cases[0], cases[4]] if quick else cases
+
+
 def fla_cases():
     """Shapes on which the tensor-core stages are compared with FLA's chunk_kda
     (safe gate, lower_bound -5): K = 128 and 64, a tail chunk, h0 present."""
@@ -129,7 +147,7 @@ def cases_for(spec, device, quick: bool = False):
     """The check cases a stage is held to on a device: bf16 stages their own
     regime (bounded gate, chunk 16), fp32 stages the CPU or the GPU set."""
     if spec.compute_dtype == torch.bfloat16:
-        return tc_cases(quick)
+        return tc_cases(quick) + (tc_softplus_cases(quick) if "softplus" in spec.gates else [])
     return cpu_cases(quick) if torch.device(device).type == "cpu" else gpu_cases(quick)
 
 
@@ -149,7 +167,30 @@ def stage_inputs(spec, B, T, H, K, V, *, seed=0, device="cpu"):
 
 def case_inputs(case: Case, device="cpu", dtype=torch.float32):
     return make_inputs(case.B, case.T, case.H, case.K, case.V, seed=case.seed, dtype=dtype, device=device,
-                       gate=case.gate, lower_bound=case.lower_bound, h0=case.h0, chunk_size=case.chunk)
+                       gate=case.gate, lower_bound=case.lower_bound, h0=case.h0, chunk_size=case.chunk,
+                       extreme=case.extreme)
+
+
+def takes(spec, case: Case) -> bool:
+    """Whether a stage can run a case: its gate, chunk size and head sizes."""
+    dims_ok = (max(case.K, case.V) <= spec.max_head_dim if spec.head_dims is None
+               else case.K in spec.head_dims and case.V in spec.head_dims)
+    chunk_ok = spec.chunk_sizes is None or case.chunk in spec.chunk_sizes
+    return case.gate in spec.gates and chunk_ok and dims_ok and (not spec.equal_kv or case.K == case.V)
+
+
+def previous_for(stage, case: Case):
+    """The stage a case is compared with: the previous stage of the ladder, or,
+    when that one cannot run the case (the softplus gate before stage 12), the
+    nearest earlier stage that can (stage 04, fp32, takes both gates). None for
+    a case at the gate's extremes: every earlier stage forms exp(-gc), which
+    overflows there (the reason for stage 12), so only fp64 can judge it."""
+    if case.extreme:
+        return None
+    prev = ladder_stage(stage.SPEC.id).previous
+    while prev is not None and not takes(prev.SPEC, case):
+        prev = prev.previous
+    return prev
 
 
 def _leaves(inp: dict, device, requires_grad: bool) -> dict:
@@ -262,7 +303,7 @@ def check_case(stage, case: Case, *, device=None, backward=None, against_prev=Tr
     rdev = torch.device(ref_device) if ref_device is not None else dev
     ref = run(kda_reference, inp, rdev, backward=backward, cotangents=cot, dtype=torch.float64)
     if prev is _DEFAULT:
-        prev = ladder_stage(spec.id).previous if against_prev else None
+        prev = previous_for(stage, case) if against_prev else None
     pres = None
     if prev is not None:
         pdev = stage_device(prev.SPEC, dev)

@@ -26,13 +26,16 @@ import torch
 
 def make_inputs(B=1, T=64, H=2, K=32, V=None, *, seed=0, dtype=torch.float32, device="cpu",
                 gate="softplus", lower_bound=None, h0=True, requires_grad=False, chunk_size=None,
-                scale=None):
+                scale=None, extreme=False):
     """Keyword arguments for a stage call (and for :func:`common.reference.kda_reference`).
 
     Returns a dict with q, k, v, g, beta (``dtype``), A_log, dt_bias and
     initial_state (float32, or None when ``h0`` is False), gate, lower_bound,
     scale and chunk_size. With ``requires_grad`` every float input is a leaf
-    that requires grad.
+    that requires grad. ``extreme`` draws the gate at its extremes (issue 21):
+    A_log up to 3, g + dt_bias uniform in [-20, 20], and tokens 16-31 (a whole
+    chunk of 16) at g = +20, the strongest decay (softplus gate: a = -400 per
+    token at A_log = 3).
     """
     V = K if V is None else V
     gen = torch.Generator().manual_seed(int(seed))
@@ -55,6 +58,11 @@ def make_inputs(B=1, T=64, H=2, K=32, V=None, *, seed=0, dtype=torch.float32, de
         A_log = torch.log(1.0 + 15.0 * rand(H))
         dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(H, K))
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if extreme:
+        A_log = 3.0 * rand(H)
+        dt_bias = torch.zeros(H, K)
+        g = 40.0 * rand(B, T, H, K) - 20.0
+        g[:, 16:32] = 20.0
     h = randn(B, H, K, V) * (1.0 / math.sqrt(K)) if h0 else None
 
     def place(x, dt_):

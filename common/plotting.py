@@ -55,9 +55,10 @@ def region_color(name: str):
 
 
 # tab10 without its grey (index 7): grey is FLA's, and stage 07 beside FLA must be told apart;
-# a dark teal for the tenth stage (09), a navy for 10 and a maroon for 11, so that no two stages share a colour
+# a dark teal for the tenth stage (09), a navy for 10, a maroon for 11 and a dark olive for 12, so that no two
+# stages share a colour
 _STAGE_COLORS = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7] + [(0.0, 0.4, 0.4), (0.1, 0.15, 0.45),
-                                                                                   (0.5, 0.0, 0.0)]
+                                                                                   (0.5, 0.0, 0.0), (0.35, 0.4, 0.0)]
 
 
 def series_color(label: str):

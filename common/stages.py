@@ -30,6 +30,7 @@ STAGE_DIRS = {
     "09": "09_fused",
     "10": "10_smem_diet",
     "11": "11_varlen",
+    "12": "12_softplus",
 }
 
 _CACHE: dict = {}

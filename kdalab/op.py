@@ -6,12 +6,17 @@ What runs here (anything else raises one clear error before any kernel; FLA's
 
 - CUDA tensors; q, k, v, beta in bf16 (fp16 and fp32 converted, o returned in
   v's dtype); K = V in {64, 128}; as many value heads as query heads (no GVA);
-- the bounded gate: ``safe_gate=True`` with ``lower_bound`` in [-5, 0).
-  ``use_gate_in_kernel=True``: g is the raw gate,
-  a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log [H] (None: exp(A_log) = 1),
-  dt_bias [H * K] or [H, K] (None: 0), passed in ``**kwargs`` as FLA takes them.
-  ``use_gate_in_kernel=False`` (FLA's default): g is the log decay itself, taken
-  as FLA takes it, in [lower_bound, 0] (lower_bound None: [-5, 0]);
+- every gate FLA runs. ``use_gate_in_kernel=True``: g is the raw gate, A_log [H]
+  and dt_bias [H * K] or [H, K] (None: 0) passed in ``**kwargs`` as FLA takes them;
+  without ``lower_bound`` the softplus gate (Kimi Linear's),
+  a = -exp(A_log) * softplus(g + dt_bias) (A_log required, as FLA requires it), with
+  ``lower_bound`` in [-5, 0) the bounded gate,
+  a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log None: exp(A_log) = 1;
+  ``safe_gate=True`` needs lower_bound, as in FLA). ``use_gate_in_kernel=False``
+  (FLA's default): g is the log decay itself, taken as FLA takes it: in
+  [lower_bound, 0] with ``safe_gate=True`` (lower_bound None: [-5, 0]), any value
+  <= 0 with ``safe_gate=False``. A gate without a bound runs the pairwise products
+  of stage 12 (no exponent overflows); a bounded one the factored products;
 - ``use_qk_l2norm_in_kernel``, ``use_beta_sigmoid_in_kernel`` and
   ``allow_neg_eigval`` (2 * sigmoid(beta)) with both values;
 - ``initial_state`` fp32 [N, H, K, V] ([N, H, V, K] with ``state_v_first``,
@@ -38,23 +43,31 @@ import math
 
 import torch
 
-STAGE = "11"  # the stage whose kernel runs: stages/11_varlen (one launch over packed sequences)
+# The stages whose kernels run: the fastest that supports the call. A bounded gate (the bounded gate, or the
+# log decay with safe_gate) runs stage 11 (stage 12 computes the same, bitwise, but 2-17% slower on the H200:
+# results/h200/stage12/); a gate without a bound (the softplus gate, the log decay without safe_gate) stage 12.
+STAGE = "11"  # stages/11_varlen: packed sequences in one launch, bounded gates
+STAGE_UNBOUNDED = "12"  # stages/12_softplus: the softplus gate and the unbounded log decay (pairwise products)
 CHUNK = 16  # the kernel's chunk size (FLA's own is 64: a Triton tiling, not a property of the op)
 _DEVICE_TYPES = ("cuda",)  # where the kernel runs (the CPU tests widen it to reach a fake extension)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _FLA = "fla.ops.kda.chunk_kda"
 
-_ext = None
+_exts: dict = {}
 
 
-def _extension():
-    """The compiled extension of STAGE (built once, on first use)."""
-    global _ext
-    if _ext is None:
+def _extension(stage: str = STAGE):
+    """The compiled extension of a stage (built once, on first use)."""
+    if stage not in _exts:
         from common.stages import load_stage
 
-        _ext = load_stage(STAGE).build()
-    return _ext
+        _exts[stage] = load_stage(stage).build()
+    return _exts[stage]
+
+
+def unbounded(gate_id: int, lower_bound: float) -> bool:
+    """Whether the kernel's gate has no lower bound (stage 12's pairwise products run it)."""
+    return gate_id == 0 or (gate_id == 3 and lower_bound == 0.0)
 
 
 # --------------------------------------------------------------------------
@@ -130,14 +143,13 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
     if chunk_size is not None and chunk_size != CHUNK:
         raise _refuse("chunk_size", chunk_size, f"the kernel's chunk is {CHUNK} tokens (FLA's 64 is its Triton "
                       "tiling; the result does not depend on it)", "leave chunk_size out", exc=ValueError)
-    if not safe_gate:
-        raise _refuse("safe_gate", False, "only the bounded gate, safe_gate=True with lower_bound in [-5, 0); "
-                      "the softplus gate runs here once a stage runs it",
-                      f"pass safe_gate=True with lower_bound, or use {_FLA}")
-    if lower_bound is None and use_gate_in_kernel:
+    if lower_bound is None and use_gate_in_kernel and safe_gate:
         raise _refuse("lower_bound", None, "safe_gate=True with use_gate_in_kernel=True needs lower_bound "
                       "in [-5, 0), as FLA does", "pass lower_bound (FLA recommends -5)", exc=ValueError)
-    if lower_bound is not None:
+    softplus = use_gate_in_kernel and lower_bound is None
+    if softplus and A_log is None:  # FLA's check and words
+        raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+    if lower_bound is not None and (use_gate_in_kernel or safe_gate):  # the log decay without safe_gate ignores it
         if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
             raise TypeError(f"kdalab.chunk_kda: lower_bound must be a float, got {type(lower_bound).__name__}")
         if not -5 <= lower_bound < 0:
@@ -212,8 +224,11 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
             raise ValueError(f"kdalab.chunk_kda: initial_state must be [N, H, {'V, K' if state_v_first else 'K, V'}]"
                              f" = {list(state_shape)}, got {list(initial_state.shape)}")
 
-    return dict(scale=float(scale), gate_id=1 if use_gate_in_kernel else 3,
-                lower_bound=float(-5.0 if lower_bound is None else lower_bound),
+    if use_gate_in_kernel:  # 0: the softplus gate; 1: the bounded gate
+        gate_id, lb = (0, 0.0) if softplus else (1, float(lower_bound))
+    else:  # 3: the log decay, bounded by lower_bound (safe_gate) or not at all (lower_bound 0: pairwise)
+        gate_id, lb = 3, (float(-5.0 if lower_bound is None else lower_bound) if safe_gate else 0.0)
+    return dict(scale=float(scale), gate_id=gate_id, lower_bound=lb,
                 l2norm=bool(use_qk_l2norm_in_kernel),
                 beta_mode=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
                 state_v_first=bool(state_v_first), output_final_state=bool(output_final_state),
@@ -250,8 +265,9 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   cu_seqlens: torch.Tensor | None, scale: float, gate_id: int, lower_bound: float, l2norm: bool,
                   beta_mode: int, state_v_first: bool, output_final_state: bool,
                   max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel: q, k, v, beta bf16 [B, T, H, *]; g bf16 raw (gate_id 1) or fp32
-    log decay (gate_id 3); A_log fp32 [H] and dt_bias fp32 [H, K] or None (0);
+    """The kernel: q, k, v, beta bf16 [B, T, H, *]; g bf16 raw (gate_id 0 softplus,
+    1 bounded) or fp32 log decay (gate_id 3; lower_bound 0: no bound);
+    A_log fp32 [H] and dt_bias fp32 [H, K] or None (0);
     initial_state fp32 or None; cu_seqlens int32 [N + 1] or None; max_seqlen the
     longest of its sequences or a bound of it in [1, T] (a host int; 0: T).
     Returns o bf16 [B, T, H, V] and the final state
@@ -262,7 +278,8 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         A_log = q.new_zeros(H, dtype=torch.float32)
     if dt_bias is None:
         dt_bias = q.new_zeros(H, K, dtype=torch.float32)
-    _extension().fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound, CHUNK, o, ht,
+    ext = _extension(STAGE_UNBOUNDED if unbounded(gate_id, lower_bound) else STAGE)
+    ext.fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound, CHUNK, o, ht,
                      None,  # prof
                      -1, 0, 0,  # fused, ncw, segment_chunks: the stage's own rule
                      cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode)
@@ -305,7 +322,8 @@ def chunk_kda(
     max_num_seqs: int | None = None,
     **kwargs,
 ):
-    """fla.ops.kda.chunk_kda (fla-core 0.6.0) on the kernel of stage ``STAGE``.
+    """fla.ops.kda.chunk_kda (fla-core 0.6.0) on the kernel of stage ``STAGE`` (a bounded gate) or
+    ``STAGE_UNBOUNDED`` (a gate without a bound).
     Returns (o [B, T, H, V] in v's dtype, final state fp32 or None). See the
     module docstring for what runs; anything else raises before any kernel."""
     p = _plan(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -320,7 +338,7 @@ def chunk_kda(
     A_log, dt_bias = p["A_log"], p["dt_bias"]
     o, ht = torch.ops.kdalab.chunk_kda_fwd(
         bf16(q), bf16(k), bf16(v),
-        bf16(g) if p["gate_id"] == 1 else g.to(torch.float32).contiguous(),
+        bf16(g) if p["gate_id"] != 3 else g.to(torch.float32).contiguous(),
         bf16(beta),
         None if A_log is None else A_log.to(torch.float32).reshape(H).contiguous(),
         None if dt_bias is None else dt_bias.to(torch.float32).reshape(H, K).contiguous(),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common import checks
+from common.metrics import rel_err
 from common.stages import load_stage, stage_ids
 
 # KDALAB_STAGES=05,06 limits the run to some stages (a student re-checking one stage).
@@ -36,6 +37,69 @@ def test_tensor_core_stage(sid, case):
     rows = checks.check_case(sid, case, device="cuda")
     bad = [r for r in rows if not r["ok"]]
     assert not bad, checks.format_rows(bad)
+
+
+SOFTPLUS_TC = [s for s in TC if "softplus" in load_stage(s).SPEC.gates]
+
+
+@pytest.mark.parametrize("sid", SOFTPLUS_TC)
+@pytest.mark.parametrize("case", checks.tc_softplus_cases(), ids=lambda c: c.id)
+def test_tensor_core_stage_softplus(sid, case):
+    """The softplus gate on the tensor cores (no lower bound; the extremes: A_log up to 3,
+    g + dt_bias in [-20, 20], a chunk at a = -400 per token): against fp64 and against the
+    nearest earlier stage that takes the gate (stage 04, fp32; none at the extremes, where
+    every earlier stage overflows), every output finite (rel_err is inf otherwise)."""
+    rows = checks.check_case(sid, case, device="cuda")
+    bad = [r for r in rows if not r["ok"]]
+    assert rows and all(r["prev"] == (None if case.extreme else "04_warp") for r in rows)
+    assert not bad, checks.format_rows(bad)
+
+
+@pytest.mark.parametrize("sid", SOFTPLUS_TC)
+@pytest.mark.parametrize("case", checks.tc_softplus_cases(quick=True), ids=lambda c: c.id)
+def test_softplus_at_most_flas_error(sid, case):
+    """Issue 21: o and the final state no further from the fp64 loop than FLA's chunk_kda
+    (softplus gate, safe_gate=False) on the same bf16 inputs, and o within 5e-3."""
+    from common.fla_ref import fla_available, fla_forward
+    from common.reference import kda_reference
+
+    ok, why = fla_available()
+    if not ok:
+        pytest.skip(why)
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+    got = checks.run(load_stage(sid).forward, inp, "cuda", backward=False)
+    fla = checks.run(fla_forward, inp, "cuda", backward=False)
+    ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
+    errs = {n: (rel_err(got[n], ref[n]), rel_err(fla[n], ref[n])) for n in ("o", "S")}
+    assert errs["o"][0] <= 5e-3, errs
+    assert all(mine <= theirs for mine, theirs in errs.values()), errs
+
+
+@pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "pairwise")])
+@pytest.mark.parametrize("case", checks.tc_cases(quick=True), ids=lambda c: c.id)
+def test_pairwise_products_on_the_bounded_gate(sid, case):
+    """The pairwise products pinned on a bounded-gate case: within tolerance of fp64 and
+    of the factored products (the stage's default there), and not bitwise equal to them
+    (the pin reached the kernel)."""
+    stage = load_stage(sid)
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+    fac = checks.run(stage.forward, inp, "cuda", backward=False)
+    with stage.pairwise(True):
+        rows = checks.check_case(sid, case, device="cuda", prev=None)
+        pw = checks.run(stage.forward, inp, "cuda", backward=False)
+    assert not [r for r in rows if not r["ok"]], checks.format_rows(rows)
+    assert not torch.equal(pw["o"], fac["o"])
+    assert rel_err(pw["o"], fac["o"]) <= 5e-3
+
+
+@pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "pairwise")])
+def test_factored_products_refuse_the_softplus_gate(sid):
+    """exp(-gc) overflows without a bound: pinning the factored products on the softplus
+    gate is refused by name in Python, before the extension."""
+    stage = load_stage(sid)
+    inp = checks.case_inputs(checks.tc_softplus_cases()[0], "cuda", torch.bfloat16)
+    with stage.pairwise(False), pytest.raises(ValueError, match=r"pairwise\(False\)"):
+        stage.forward(**inp)
 
 
 @pytest.mark.parametrize("sid", FP32)

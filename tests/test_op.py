@@ -41,11 +41,17 @@ def _params(fn):
 
 
 class FakeExt:
-    """Stands in for stage 11's extension: records each fwd call, writes every
-    element of o and ht from the inputs (so outputs depend on them)."""
+    """Stands in for the stages' extensions: records each fwd call (with the stage whose
+    extension was asked for), writes every element of o and ht from the inputs (so
+    outputs depend on them)."""
 
     def __init__(self):
         self.calls = []
+        self.stage = None
+
+    def at(self, stage):
+        self.stage = stage
+        return self
 
     def fwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, o, ht, prof,
             fused=-1, ncw=0, segment_chunks=0, cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True,
@@ -54,7 +60,7 @@ class FakeExt:
                                gate_id=gate_id, lower_bound=lower_bound, chunk_size=chunk_size, o=o, ht=ht,
                                prof=prof, fused=fused, ncw=ncw, segment_chunks=segment_chunks,
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first,
-                               l2norm=l2norm, beta_mode=beta_mode))
+                               l2norm=l2norm, beta_mode=beta_mode, stage=self.stage))
         o.copy_(v.float() * scale + q.float() + beta.float()[..., None])
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         ht.add_(lower_bound)
@@ -69,7 +75,7 @@ def ext(monkeypatch):
     """CPU tensors allowed, the extension faked (records calls)."""
     fake = FakeExt()
     monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(op, "_extension", lambda: fake)
+    monkeypatch.setattr(op, "_extension", lambda stage=op.STAGE: fake.at(stage))
     return fake
 
 
@@ -77,7 +83,7 @@ def ext(monkeypatch):
 def no_kernel(monkeypatch):
     """CPU tensors allowed, and any use of the extension fails the test."""
     monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(op, "_extension", lambda: pytest.fail("the extension was reached"))
+    monkeypatch.setattr(op, "_extension", lambda *a: pytest.fail("the extension was reached"))
 
 
 def layer_call(B=1, T=37, H=2, D=64, dtype=torch.bfloat16, device="cpu", N=None):
@@ -136,7 +142,8 @@ def _cu(values, **extra):
 
 
 REFUSALS = {  # id: (change to the layer's call, exception, text the message must hold)
-    "safe_gate_false": (lambda kw: kw.update(safe_gate=False), NotImplementedError, "safe_gate=False"),
+    "softplus_no_A_log": (lambda kw: kw.update(safe_gate=False, lower_bound=None, A_log=None), ValueError,
+                          "`A_log` must be provided"),  # FLA's words
     "lower_bound_none": (lambda kw: kw.update(lower_bound=None), ValueError, "lower_bound=None"),
     "lower_bound_low": (lambda kw: kw.update(lower_bound=-6.0), ValueError, "lower_bound=-6.0"),
     "lower_bound_zero": (lambda kw: kw.update(lower_bound=0.0), ValueError, "lower_bound=0.0"),
@@ -208,7 +215,7 @@ def test_supported_needs_no_copy_of_cu_seqlens(no_kernel):
 
 
 def test_cpu_tensors_refused_by_the_real_rule(monkeypatch):
-    monkeypatch.setattr(op, "_extension", lambda: pytest.fail("the extension was reached"))
+    monkeypatch.setattr(op, "_extension", lambda *a: pytest.fail("the extension was reached"))
     with pytest.raises(ValueError, match=r"q.device=cpu .*CUDA.*fla.ops.kda.chunk_kda"):
         kdalab.chunk_kda(**layer_call())
 
@@ -222,7 +229,7 @@ def test_grad_disabled_lets_requires_grad_through(ext):
 
 
 def test_messages_say_what_to_use_instead(no_kernel):
-    for case in ("safe_gate_false", "gva", "k_ne_v", "intermediate_states", "cp_context", "requires_grad"):
+    for case in ("use_graph", "gva", "k_ne_v", "intermediate_states", "cp_context", "requires_grad"):
         change, exc, _ = REFUSALS[case]
         kw = layer_call()
         change(kw)
@@ -233,6 +240,30 @@ def test_messages_say_what_to_use_instead(no_kernel):
 # --------------------------------------------------------------------------
 # supported calls reach the extension with the right arguments
 # --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, gate_id, lower_bound", [
+    (dict(safe_gate=False, lower_bound=None), 0, 0.0),    # Kimi Linear's softplus gate: no bound
+    (dict(safe_gate=False), 1, -5.0),                     # FLA: a lower_bound picks the bounded gate
+    (dict(safe_gate=True), 1, -5.0),                      # the layer's own call
+    (dict(use_gate_in_kernel=False, safe_gate=False, lower_bound=None), 3, 0.0),  # any log decay <= 0
+    (dict(use_gate_in_kernel=False, safe_gate=False, lower_bound=-2.0), 3, 0.0),  # lower_bound unused, as FLA
+    (dict(use_gate_in_kernel=False, safe_gate=True, lower_bound=-2.0), 3, -2.0),
+])
+def test_every_gate_reaches_the_kernel_as_its_gate_id(ext, change, gate_id, lower_bound):
+    """FLA's gate flags -> the kernel's gate: 0 softplus and 3 without a bound (lower_bound 0:
+    stage 12's pairwise products), 1 bounded and 3 bounded (the factored products); the raw
+    gate goes as bf16, the log decay as fp32."""
+    kw = layer_call()
+    kw.update(change)
+    if not kw["use_gate_in_kernel"]:
+        kw["g"] = -torch.rand(kw["q"].shape)
+    kdalab.chunk_kda(**kw)
+    c = ext.last
+    assert (c["gate_id"], c["lower_bound"]) == (gate_id, lower_bound)
+    assert c["g"].dtype == (torch.float32 if gate_id == 3 else torch.bfloat16)
+    # the fastest stage that takes the gate: 11 for a bounded one, 12 without a bound
+    assert c["stage"] == ("12" if (gate_id, lower_bound) in ((0, 0.0), (3, 0.0)) else "11")
+
 
 def test_fla_defaults_take_g_as_the_log_decay(ext):
     """FLA's defaults: use_gate_in_kernel=False (g is the log decay, fp32 to the
@@ -357,7 +388,7 @@ def test_fake_tensors_trace_the_op(monkeypatch, v_first, final):
     fake implementation: shapes and dtypes without a kernel. (Packed sequences:
     their contents are read on the host, which fake tensors have not; opcheck
     below runs the fake implementation with cu_seqlens.)"""
-    monkeypatch.setattr(op, "_extension", lambda: pytest.fail("the extension was reached"))
+    monkeypatch.setattr(op, "_extension", lambda *a: pytest.fail("the extension was reached"))
     with FakeTensorMode(), torch.inference_mode():
         kw = layer_call(B=2, T=40, H=3, D=128, device="cuda", dtype=torch.float16)
         h0 = torch.zeros(2, 3, 128, 128, device="cuda")
@@ -477,7 +508,7 @@ def test_verifier_accepts_the_fla_layer_call(fla_backend, N):
 
 
 @needs_fla
-@pytest.mark.parametrize("case", ["safe_gate_false", "lower_bound_none", "gva", "k_ne_v", "chunk_size_64",
+@pytest.mark.parametrize("case", ["softplus_no_A_log", "lower_bound_none", "gva", "k_ne_v", "chunk_size_64",
                                   "intermediate_states", "cp_context", "use_graph", "float64", "state_bf16",
                                   "unknown_kwarg", "cu_batch_2"])
 def test_verifier_refuses_with_the_reason(fla_backend, case, monkeypatch):

@@ -67,6 +67,52 @@ def test_op_is_stage_11_bitwise(N, v_first, D):
     assert torch.equal(o, so) and torch.equal(ht, sht)
 
 
+@pytest.mark.parametrize("N", [None, 6])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_softplus_gate_is_stage_12_and_near_fp64(N, extreme):
+    """FLA's softplus gate (use_gate_in_kernel, no lower_bound, safe_gate=False) runs stage 12:
+    bitwise its forward, within the bf16 tolerance of the fp64 loop, finite at the gate's
+    extremes (A_log up to 3, a chunk at a = -400 per token)."""
+    c = make_inputs(B=1, T=300, H=3, K=128, seed=5, dtype=torch.bfloat16, device="cuda", gate="softplus",
+                    extreme=extreme)
+    kw = dict(q=c["q"], k=c["k"], v=c["v"], g=c["g"], beta=c["beta"], A_log=c["A_log"],
+              dt_bias=c["dt_bias"].reshape(-1), initial_state=c["initial_state"], output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if N is not None:
+        cu = torch.tensor([0] + torch.tensor(_ragged(300, N, 5)).cumsum(0).tolist(), device="cuda")
+        kw.update(cu_seqlens=cu, initial_state=torch.randn(N, 3, 128, 128, device="cuda") / 128 ** 0.5)
+    with torch.inference_mode():
+        o, ht = kdalab.chunk_kda(**kw)
+        so, sht = load_stage(op.STAGE_UNBOUNDED).forward(
+            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], A_log=kw["A_log"], dt_bias=kw["dt_bias"].view(3, 128),
+            initial_state=kw["initial_state"], gate="softplus", cu_seqlens=kw.get("cu_seqlens"))
+    assert torch.equal(o, so) and torch.equal(ht, sht)
+    if N is None:
+        ro, rht = kda_reference(*(kw[n].cpu() for n in ("q", "k", "v", "g", "beta")), A_log=kw["A_log"].cpu(),
+                                dt_bias=kw["dt_bias"].view(3, 128).cpu(), initial_state=kw["initial_state"].cpu(),
+                                gate="softplus")
+        assert rel_err(o, ro) < TOLERANCE["bf16"] and rel_err(ht, rht) < TOLERANCE["bf16"]
+
+
+def test_unbounded_log_decay_through_safe_gate_false():
+    """safe_gate=False with g the log decay: any a <= 0, here down to -60 per token (a chunk
+    decays past fp32's range), against the fp64 loop given that decay."""
+    kw = raw(T=200, H=2, D=64)
+    a = -60.0 * torch.rand(kw["q"].shape, device="cuda")
+    kw.update(g=a, use_gate_in_kernel=False, safe_gate=False, lower_bound=None)
+    with torch.inference_mode():
+        o, ht = kdalab.chunk_kda(**kw)
+    from common.reference import L2_EPS, kda_recurrence  # the token loop on the log decay itself
+
+    q, k = kw["q"].double().cpu(), kw["k"].double().cpu()
+    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    ro, rht = kda_recurrence(qn, kn, kw["v"].double().cpu(), torch.sigmoid(kw["beta"].double().cpu()),
+                             a.double().cpu(), scale=64 ** -0.5, initial_state=kw["initial_state"].double().cpu())
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_err(o, ro) < TOLERANCE["bf16"] and rel_err(ht, rht) < TOLERANCE["bf16"]
+
+
 def test_against_the_fp64_reference():
     kw = raw(T=150, H=2, D=64)
     with torch.inference_mode():

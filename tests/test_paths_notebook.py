@@ -35,7 +35,7 @@ EXPECT = {
 }
 # Stages with PATHS that have no recorded paths file yet (scripts/bench_paths.py not run on an H200 since they
 # were added): they need one, and their figures here, before they leave this set (the test below holds that).
-PENDING: set = set()
+PENDING: set = {"12"}  # 12_softplus: no paths record yet
 FUSED = [sid for sid in EXPECT if "prepare" in EXPECT[sid]]  # the stages with a recorded fused-kernel profile
 REC = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["table"]) for sid in EXPECT}
 PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid in EXPECT

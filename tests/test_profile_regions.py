@@ -27,6 +27,7 @@ EXPECTED = {
     "09": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
     "10": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
     "11": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
+    "12": K1 + K2_WS[:-2] + ["K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)"],
 }
 
 

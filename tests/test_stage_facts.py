@@ -44,5 +44,6 @@ def test_default_build_drops_an_ablation_branch():
 def test_the_fused_stages_have_their_prepare_teams():
     from common import notebook
 
-    assert [s for s in stage_ids() if hasattr(load_stage(s), "PREP_TEAMS")] == ["09", "10", "11"]
+    assert [s for s in stage_ids() if hasattr(load_stage(s), "PREP_TEAMS")] == ["09", "10", "11", "12"]
     assert notebook.prep_teams() == load_stage("09").PREP_TEAMS == notebook.prep_teams("10") == notebook.prep_teams("11")
+    assert notebook.prep_teams("12") == notebook.prep_teams("11")

@@ -1,0 +1,256 @@
+"""Stage 12 and the softplus gate on the H200, in one call beside FLA (issue 21).
+
+Three parts, one results file (common.results; rows carry ``part``):
+
+- ``accuracy``: on every softplus check case (common.checks.tc_softplus_cases:
+  tails, B > 1 with h0, K = 64 and 128, the gate at its extremes), o and the
+  final state of stage 12 and of FLA's chunk_kda (softplus gate, safe_gate=False)
+  against the fp64 token loop on the same bf16 inputs, and whether every
+  output is finite (FLA run on groups of heads: by_heads).
+- ``speed``: at the tensor-core benchmark shapes and Kimi Linear's (B1 T8192
+  H32, B4 T4096 H32, B1 T131072 H32), GPU time (CUDA events, and CUDA-graph
+  replay where it captures) and peak memory of stage 12 and of FLA with the
+  softplus gate, on the same inputs; FLA's rows come last so that a cut run
+  keeps stage 12's.
+- ``bounded``: at the same shapes with the bounded gate, stage 12 as it runs
+  it (factored products, which must be stage 11's bitwise), stage 12 with the
+  pairwise products pinned (what the scheme costs where it is not needed),
+  and stage 11.
+- ``paths``: stage 12 with the softplus gate on every path (``stage.path``).
+
+    python scripts/bench_softplus.py --out $OUT/softplus.json [--parts accuracy,bounded,speed] [--who 12,fla]
+        [--shapes 0,6] [--no-fla]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import checks  # noqa: E402
+from common.bench import TC_GPU_SHAPES, _timed, peak_mb  # noqa: E402
+from common.inputs import make_inputs  # noqa: E402
+from common.metrics import rel_err  # noqa: E402
+from common.reference import kda_reference  # noqa: E402
+from common.results import metadata, save  # noqa: E402
+from common.stages import load_stage  # noqa: E402
+
+KIMI_SHAPES = [dict(B=1, T=8192, H=32, K=128, V=128), dict(B=4, T=4096, H=32, K=128, V=128),
+               dict(B=1, T=131072, H=32, K=128, V=128)]
+SHAPES = TC_GPU_SHAPES + KIMI_SHAPES
+
+
+def say(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def by_heads(fwd, group: int):
+    """``fwd`` run on groups of ``group`` heads (the last one padded with zero heads),
+    the outputs put back together. Heads are independent, so this is ``fwd`` on all of
+    them; FLA autotunes its kernels once per head count (about 100 s each on the H200),
+    so its accuracy rows run at the head counts its timed rows use (32 at K = 128, 4 at
+    K = 64) instead of one new count per case."""
+    def run(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, **kw):
+        H = q.shape[2]
+        os_, Ss = [], []
+        for h0 in range(0, H, group):
+            hs = slice(h0, min(H, h0 + group))
+            n = hs.stop - hs.start
+
+            def pad(x, dim):
+                x = x.narrow(dim, h0, n)
+                if n == group:
+                    return x.contiguous()
+                shape = list(x.shape)
+                shape[dim] = group - n
+                return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
+
+            o, S = fwd(pad(q, 2), pad(k, 2), pad(v, 2), pad(g, 2), pad(beta, 2), A_log=pad(A_log, 0),
+                       dt_bias=pad(dt_bias, 0), initial_state=None if initial_state is None else pad(initial_state, 1),
+                       **kw)
+            os_.append(o[:, :, :n])
+            Ss.append(S[:, :n])
+        return torch.cat(os_, dim=2), torch.cat(Ss, dim=1)
+    return run
+
+
+def path_rows(shapes, on_row) -> None:
+    """Stage 12 with the softplus gate on each of its paths (the rule was chosen for the
+    factored products, whose prepare is cheaper)."""
+    s12 = load_stage("12")
+    for shape in shapes:
+        kw = gpu_inputs(**shape, gate="softplus")
+        for name in [None] + [n for n, (_, ncw) in s12.PATHS.items() if 16 * ncw <= shape["V"]]:
+            def f(kw=kw, name=name):
+                with torch.no_grad(), s12.path(name):
+                    return s12.forward(**kw)
+
+            on_row(timing_row("paths", "12_softplus", shape, f, gate="softplus", path=name or "rule"))
+        del kw
+
+
+def accuracy_rows(fla: bool) -> list[dict]:
+    from common.fla_ref import fla_forward
+
+    s12 = load_stage("12")
+    rows = []
+    for case in checks.tc_softplus_cases():
+        inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+        got = checks.run(s12.forward, inp, "cuda", backward=False)
+        ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
+        row = dict(part="accuracy", case=case.id, extreme=case.extreme,
+                   o_err=rel_err(got["o"], ref["o"]), S_err=rel_err(got["S"], ref["S"]),
+                   finite=bool(torch.isfinite(got["o"]).all() and torch.isfinite(got["S"]).all()))
+        if fla:
+            f = checks.run(by_heads(fla_forward, 32 if case.K == 128 else 4), inp, "cuda", backward=False)
+            row.update(fla_o_err=rel_err(f["o"], ref["o"]), fla_S_err=rel_err(f["S"], ref["S"]),
+                       fla_finite=bool(torch.isfinite(f["o"]).all() and torch.isfinite(f["S"]).all()))
+        say("accuracy " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        rows.append(row)
+    return rows
+
+
+def _time(fn) -> dict:
+    t = _timed(fn, "cuda", 0.5, True)
+    out = {k: t.get(k) for k in ("ms", "min_ms", "graph_ms")}
+    out["peak_mb"] = round(peak_mb(fn), 1)
+    return out
+
+
+def timing_row(part, who, shape, fn, **extra) -> dict:
+    row = dict(part=part, stage=who, **shape, **extra)
+    try:
+        row.update(_time(fn))
+    except Exception as e:  # noqa: BLE001 -- record why a row did not run
+        row["error"] = str(e).splitlines()[0][:300]
+    torch.cuda.empty_cache()
+    say(f"{part} {who} {shape} " + " ".join(f"{k}={row.get(k)}" for k in ("ms", "graph_ms", "peak_mb", "error")
+                                          if k in row))
+    return row
+
+
+def gpu_inputs(B, T, H, K, V, gate="softplus", lower_bound=None, seed=0) -> dict:
+    """make_inputs' distributions (h0 present), drawn on the GPU: at T = 131072 the CPU
+    draw of the four [B, T, H, 128] tensors would take minutes of the call."""
+    small = make_inputs(1, 1, H, K, V, seed=seed, gate=gate, lower_bound=lower_bound)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+    return dict(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, H, V), g=randn(B, T, H, K),
+                beta=randn(B, T, H), A_log=small["A_log"].cuda(), dt_bias=small["dt_bias"].cuda(),
+                initial_state=randn(B, H, K, V, dtype=torch.float32) * K ** -0.5, gate=gate,
+                lower_bound=small["lower_bound"], scale=None, chunk_size=16)
+
+
+def speed_rows(shapes, who_list, on_row) -> None:
+    from common.fla_ref import fla_forward
+
+    s12 = load_stage("12")
+    fwds = {"12": ("12_softplus", s12.forward), "fla": ("FLA chunk_kda", fla_forward)}
+    for who, fwd in (fwds[w] for w in who_list):
+        for shape in shapes:
+            kw = gpu_inputs(**shape, gate="softplus")
+            if who != "12_softplus":
+                kw["chunk_size"] = None  # FLA's own 64
+
+            def f(kw=kw, fwd=fwd):
+                with torch.no_grad():
+                    return fwd(**kw)
+
+            on_row(timing_row("speed", who, shape, f, gate="softplus"))
+            del kw
+
+
+def bounded_rows(shapes, on_row) -> None:
+    s11, s12 = load_stage("11"), load_stage("12")
+    for shape in shapes:
+        kw = gpu_inputs(**shape, gate="bounded", lower_bound=-5.0)
+        with torch.no_grad():
+            o11, S11 = s11.forward(**kw)
+            o12, S12 = s12.forward(**kw)
+            with s12.pairwise(True):
+                o_pw, S_pw = s12.forward(**kw)
+        equal = bool(torch.equal(o11, o12) and torch.equal(S11, S12))
+        diff = max(rel_err(o_pw, o11), rel_err(S_pw, S11))
+        del o11, S11, o12, S12, o_pw, S_pw
+
+        def f11(kw=kw):
+            with torch.no_grad():
+                return s11.forward(**kw)
+
+        def f12(kw=kw):
+            with torch.no_grad():
+                return s12.forward(**kw)
+
+        def f12pw(kw=kw):
+            with torch.no_grad(), s12.pairwise(True):
+                return s12.forward(**kw)
+
+        on_row(timing_row("bounded", "11_varlen", shape, f11, gate="bounded"))
+        on_row(timing_row("bounded", "12_softplus", shape, f12, gate="bounded", products="factored",
+                          equal_to_11=equal))
+        on_row(timing_row("bounded", "12_softplus", shape, f12pw, gate="bounded", products="pairwise",
+                          rel_diff_vs_11=diff))
+        del kw
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="results file (default $OUT/softplus.json)")
+    ap.add_argument("--parts", default="accuracy,bounded,speed")
+    ap.add_argument("--shapes", default=None, help="indices into the shape list (TC_GPU_SHAPES + Kimi's)")
+    ap.add_argument("--who", default="12,fla", help="speed: whose rows (12, fla), in this order")
+    ap.add_argument("--no-fla", action="store_true", help="accuracy without FLA's errors")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_softplus.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    who = [w for w in args.who.split(",") if w]
+    fla = not args.no_fla or "fla" in who
+    if fla:
+        from common.fla_ref import fla_available
+
+        fla, why = fla_available()
+        if not fla:
+            say(f"FLA not available: {why}")
+            who = [w for w in who if w != "fla"]
+    fla = fla and not args.no_fla
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    out = Path(args.out or Path(os.environ.get("OUT", "results")) / "softplus.json")
+    meta = metadata(command="python scripts/bench_softplus.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    meta["what"] = ("stage 12 with the softplus gate beside FLA chunk_kda (softplus gate, safe_gate=False): "
+                    "accuracy vs the fp64 loop on the softplus check cases, GPU time and peak memory; the "
+                    "bounded gate factored / pairwise beside stage 11")
+    rows: list[dict] = []
+
+    def on_row(row):
+        rows.append(row)
+        save(out, rows, meta)  # after every row: a run cut short keeps what it measured
+
+    for part in args.parts.split(","):
+        if part == "accuracy":
+            for r in accuracy_rows(fla):
+                on_row(r)
+        elif part == "bounded":
+            bounded_rows(shapes, on_row)
+        elif part == "speed":
+            speed_rows(shapes, who, on_row)
+        elif part == "paths":
+            path_rows(shapes, on_row)
+        else:
+            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, paths")
+    say(f"wrote {out}: {len(rows)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+// kda.cu -- stage 12: stage 11's kernels with the softplus gate on the tensor cores.
+//
+// Kimi Linear was trained with the softplus gate, a = -exp(A_log) softplus(g + dt_bias),
+// which has no lower bound: at A_log = 3 a token can decay by 400. Stages 05-11 form
+// the chunk's two 16 x 16 products factored, kd @ ki^T with ki = kn exp(-gc), which
+// holds only while a chunk decays by less than about 88 (fp32's exponent): hence the
+// bounded gate (lower_bound >= -5: at most 80 per chunk). Every other operand of the
+// chunk is kn, qn or v times a decay <= 1 and was never at risk.
+//
+//   * pairwise products (prepare.cuh, products_pairwise): L and Aqk pair by pair in
+//     fp32 with exp(gc_i - gc_j) <= 1, off-diagonal 4 x 4 tiles through a reference
+//     row inside the pair's span, so nothing overflows for any a <= 0. kr takes
+//     exp(glast - gc) as an exponential of its own instead of e^glast / e^gc.
+//   * the softplus gate (gate_id 0) in both pre-stages: softplus(x) = max(x, 0) +
+//     ln(1 + e^-|x|) (the fused prepare: two MUFU, ex2 and lg2).
+//   * the log decay without a bound (gate_id 3, lower_bound 0: FLA's safe_gate=False).
+//
+// The bounded gate keeps the factored products (cheaper: two MMAs against 10 tiles of
+// fp32 work) unless the caller asks for pairwise (p.pairwise, the binding's
+// `pairwise`): with it a bounded call computes the same L and Aqk a different way,
+// which is how the scheme's cost is measured. Nothing else changes: a bounded call
+// without `pairwise` is stage 11's, bitwise.
+//
+// Files (one translation unit: kda.cu includes the kernel files):
+//   common.cuh      constants, MMA helpers and fragment moves, vector accesses,
+//                   mbarriers, the shared-memory layouts two kernels share
+//   ablations.cuh   no switches in this stage (stage.py ABLATIONS is empty: why there)
+//   prepare.cuh     the prepare's phases and kda_prepare_kernel (K1)
+//   recurrence.cuh  recurrence_warp and kda_recurrence_kernel (K2)
+//   fused.cuh       kda_fused_kernel (prepare teams and compute warps in one block)
+//   frag_check.cuh  kda_frag_check_kernel (the tests' fragment identity)
+//   kda.cu          the plan (kda_fwd_plan: the path rule) and the launches
+
+#include <cuda_runtime.h>
+
+#include "kda.h"
+#include "kda_cuda_check.h"
+
+#include "common.cuh"
+#include "prepare.cuh"
+#include "recurrence.cuh"
+#include "fused.cuh"
+#include "frag_check.cuh"
+
+namespace kda_stage {
+
+// ---------------------------------------------------------------------------
+// launch helpers
+// ---------------------------------------------------------------------------
+
+
+template <int K, int V, int NCW>
+cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
+  const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));
+  const size_t smem = sizeof(K2Smem<K, NCW>);
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_recurrence_kernel<K, V, NCW>, smem));
+  kda_note_launch("kda_recurrence_kernel", (const void*)kda_recurrence_kernel<K, V, NCW>, dim3((unsigned)blocks), dim3(32 * (NCW + 1)), smem);
+  kda_recurrence_kernel<K, V, NCW><<<(unsigned)blocks, 32 * (NCW + 1), smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int K, int V, int NCW>
+cudaError_t launch_fused(const KdaFwdParams& p, cudaStream_t stream) {
+  const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));
+  const size_t smem = sizeof(FusedSmem<K, V, NCW>);
+  const int threads = kPrepThreads + 32 * NCW;
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_fused_kernel<K, V, NCW>, smem));
+  kda_note_launch("kda_fused_kernel", (const void*)kda_fused_kernel<K, V, NCW>, dim3((unsigned)blocks), dim3(threads), smem);
+  kda_fused_kernel<K, V, NCW><<<(unsigned)blocks, threads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int K, int V>
+cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
+  if (plan.fused) {
+    switch (plan.ncw) {
+      case 1: return launch_fused<K, V, 1>(p, stream);
+      case 2: return launch_fused<K, V, 2>(p, stream);
+      case 4: return launch_fused<K, V, 4>(p, stream);
+      case 8: if constexpr (V >= 128) return launch_fused<K, V, 8>(p, stream);
+              return cudaErrorInvalidValue;
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  const long long bhs = (long long)p.N * p.H;  // N*H*NT and N*H*V/16 <= INT_MAX (checked by the binding)
+  if (kernels & KDA_LAUNCH_K1) {
+    const size_t smem1 = sizeof(K1Smem<K, V>);
+    KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
+    kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NC)), dim3(kThreads), smem1);
+    kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NC), kThreads, smem1, stream>>>(p);
+    KDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  if (!(kernels & KDA_LAUNCH_K2)) return cudaSuccess;
+  if (plan.ncw == 2) return launch_recurrence<K, V, 2>(p, stream);
+  if (plan.ncw == 1) return launch_recurrence<K, V, 1>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kda_stage
+
+// ---------------------------------------------------------------------------
+// launcher
+// ---------------------------------------------------------------------------
+
+cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan) {
+  if (p.N < 1 || p.T < 1 || p.H < 1 || p.K != p.V || (p.K != 64 && p.K != 128)) return cudaErrorInvalidValue;
+  const int max_ncw = p.V / kda_stage::VW;
+  if (want_fused >= 0) {  // a path asked for by name (the benchmark's and the tests' knob)
+    const bool ok = want_fused ? (want_ncw == 1 || want_ncw == 2 || want_ncw == 4 || want_ncw == 8) && want_ncw <= max_ncw
+                               : (want_ncw == 1 || want_ncw == 2);
+    if (!ok) return cudaErrorInvalidValue;
+    *plan = KdaPlan{want_fused != 0, want_ncw};
+    return cudaSuccess;
+  }
+  int dev = 0, sms = 0;
+  KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const long long bhs = (long long)p.N * p.H;  // (sequence, head) pairs: a block each (fused8)
+  // At V = 128 the fused kernel where its blocks fill the SMs (a "head" below is
+  // a (sequence, head) pair, N*H of them): eight compute warps (one block per
+  // head) once the heads fill about two thirds of the SMs, four (two blocks per
+  // head, each preparing every chunk) where that doubling fills one to two thirds
+  // without a second wave. Measured (paths table): fused8
+  // 0.72 against 1.16 ms for the split path at 512 heads and 1.41 against 1.72 ms
+  // at 96 heads; fused4 0.133 against 0.163 ms and 1.01 against 1.18 ms at 64
+  // heads (there fused8, with half the SMs idle, is slower than the split path).
+  // Below that, and at V = 64 (not measured fused at many heads), the split
+  // path: two compute warps per K2 block as soon as those blocks still cover the
+  // SMs once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
+  // heads). docs/PERF_NOTES.md, results/h200/stage08/.
+  if (p.V == 128 && 3 * bhs >= 2LL * sms) {
+    *plan = KdaPlan{true, 8};
+    return cudaSuccess;
+  }
+  if (p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
+    *plan = KdaPlan{true, 4};
+    return cudaSuccess;
+  }
+  *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= sms ? 2 : 1};
+  return cudaSuccess;
+}
+
+cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
+  if (kernels < KDA_LAUNCH_K1 || kernels > KDA_LAUNCH_ALL) return cudaErrorInvalidValue;
+  const int nt_max = (p.T + kda_stage::BT - 1) / kda_stage::BT;
+  if (p.N < 1 || p.T < 1 || p.H < 1 || p.K != p.V) return cudaErrorInvalidValue;
+  if (p.cu_seqlens == nullptr ? (p.N != p.B || p.NT != nt_max) : (p.B != 1 || p.NT < 1 || p.NT > nt_max))
+    return cudaErrorInvalidValue;  // batch rows, or packed sequences no longer than the packed tokens
+  const bool raw_gate = p.gate_id == KDA_GATE_SOFTPLUS || p.gate_id == KDA_GATE_BOUNDED;
+  if (!(raw_gate && p.g != nullptr) && !(p.gate_id == KDA_GATE_LOG && p.g_log != nullptr))
+    return cudaErrorInvalidValue;  // the gate and its input
+  const bool bounded = p.gate_id == KDA_GATE_BOUNDED || (p.gate_id == KDA_GATE_LOG && p.lower_bound < 0.f);
+  if ((p.pairwise != 0 && p.pairwise != 1) || (!bounded && !p.pairwise))
+    return cudaErrorInvalidValue;  // the factored products need a bounded gate
+  if (p.beta_mode < 0 || p.beta_mode > 2) return cudaErrorInvalidValue;
+  if (!plan.fused && (p.qd == nullptr || p.w == nullptr || p.krT == nullptr || p.Aqk == nullptr ||
+                      p.u == nullptr || p.el == nullptr))
+    return cudaErrorInvalidValue;  // the split path needs the workspace
+  if (!plan.fused && (p.n0 < 0 || p.NC < 1 || p.n0 + p.NC > p.NT))
+    return cudaErrorInvalidValue;  // a segment of the sequence's chunks
+  if (p.K == 64) return kda_stage::launch<64, 64>(p, plan, stream, kernels);
+  if (p.K == 128) return kda_stage::launch<128, 128>(p, plan, stream, kernels);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t kda_frag_check_launch(const __nv_bfloat16* A, const float* X, float* out, int kd, cudaStream_t stream) {
+  const auto* a = reinterpret_cast<const kda_stage::bf16*>(A);
+  switch (kd) {
+    case 16: kda_stage::kda_frag_check_kernel<16><<<1, 32, 0, stream>>>(a, X, out); break;
+    case 64: kda_stage::kda_frag_check_kernel<64><<<1, 32, 0, stream>>>(a, X, out); break;
+    case 128: kda_stage::kda_frag_check_kernel<128><<<1, 32, 0, stream>>>(a, X, out); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
