@@ -25,7 +25,7 @@ FIGS = prose.all_figures(DOCS)
 INDEX = prose.load_index()
 MEASURED = [f for f in FIGS if "not_measured" not in INDEX.get(prose.key_str(f.key), {})]
 # Stages without a notebook yet (tests/test_notebooks.py PENDING: no recorded H200 figures to show yet).
-NOTEBOOK_PENDING: set = {"12_softplus"}  # its notebook comes with its first H200 records
+NOTEBOOK_PENDING: set = set()  # none: 12_softplus got its notebook with its first H200 records
 
 
 def test_every_measured_figure_is_its_record():
