@@ -214,16 +214,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_softplus.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    who = [w for w in args.who.split(",") if w]
-    fla = not args.no_fla or "fla" in who
-    if fla:
-        from common.fla_ref import fla_available
+    from common.fla_ref import fla_available
 
-        fla, why = fla_available()
-        if not fla:
-            say(f"FLA not available: {why}")
-            who = [w for w in who if w != "fla"]
-    fla = fla and not args.no_fla
+    who = [w for w in args.who.split(",") if w]
+    have_fla, why = fla_available()
+    if not have_fla:
+        say(f"FLA not available: {why}")
+        who = [w for w in who if w != "fla"]
+    fla = have_fla and not args.no_fla  # FLA's errors beside the accuracy rows
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     out = Path(args.out or Path(os.environ.get("OUT", "results")) / "softplus.json")
     meta = metadata(command="python scripts/bench_softplus.py " + " ".join(argv if argv is not None else sys.argv[1:]))

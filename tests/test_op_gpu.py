@@ -102,13 +102,13 @@ def test_unbounded_log_decay_through_safe_gate_false():
     kw.update(g=a, use_gate_in_kernel=False, safe_gate=False, lower_bound=None)
     with torch.inference_mode():
         o, ht = kdalab.chunk_kda(**kw)
-    from common.reference import L2_EPS, kda_recurrence  # the token loop on the log decay itself
+    from common.reference import activate, kda_recurrence  # the token loop on the log decay itself
 
-    q, k = kw["q"].double().cpu(), kw["k"].double().cpu()
-    qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
-    kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
-    ro, rht = kda_recurrence(qn, kn, kw["v"].double().cpu(), torch.sigmoid(kw["beta"].double().cpu()),
-                             a.double().cpu(), scale=64 ** -0.5, initial_state=kw["initial_state"].double().cpu())
+    cpu = {n: kw[n].double().cpu() for n in ("q", "k", "beta", "v", "initial_state")}
+    qn, kn, b, _ = activate(cpu["q"], cpu["k"], a.double().cpu(), cpu["beta"], kw["A_log"].double().cpu(),
+                            kw["dt_bias"].view(2, 64).double().cpu())  # q, k and beta as the kernel takes them
+    ro, rht = kda_recurrence(qn, kn, cpu["v"], b, a.double().cpu(), scale=64 ** -0.5,
+                             initial_state=cpu["initial_state"])
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_err(o, ro) < TOLERANCE["bf16"] and rel_err(ht, rht) < TOLERANCE["bf16"]
 

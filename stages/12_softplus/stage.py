@@ -168,7 +168,7 @@ def _path_args(V) -> dict:
 
 def _check_pairwise(pin, c):
     """The factored products pinned on the softplus gate: refused here, before the extension."""
-    if pin is not None and pin.get("pairwise") == 0 and c.gate == "softplus":
+    if pin["pairwise"] == 0 and c.gate == "softplus":
         raise ValueError("pairwise(False) pins the factored products, which need a bounded gate: with "
                          "gate='softplus' exp(-gc) overflows; use pairwise(None) or pairwise(True)")
 
