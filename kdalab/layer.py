@@ -14,7 +14,9 @@ from .op import chunk_kda
 
 class KDALayer(nn.Module):
     def __init__(self, hidden_size: int = 1024, num_heads: int = 8, head_dim: int = 128,
-                 lower_bound: float = -5.0, norm_eps: float = 1e-5):
+                 lower_bound: float | None = -5.0, norm_eps: float = 1e-5):
+        """lower_bound in [-5, 0): the bounded gate (safe_gate); None: the softplus gate
+        (Kimi Linear's, no bound)."""
         super().__init__()
         self.num_heads, self.head_dim, self.lower_bound = num_heads, head_dim, lower_bound
         d = num_heads * head_dim
@@ -35,7 +37,8 @@ class KDALayer(nn.Module):
         o, state = chunk_kda(q, k, v, self.f_proj(x).view(B, T, H, D), self.b_proj(x), A_log=self.A_log,
                              dt_bias=self.dt_bias, initial_state=initial_state, output_final_state=True,
                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=self.lower_bound,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=self.lower_bound is not None,
+                             lower_bound=self.lower_bound,
                              state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, D))
         return self.o_proj(o.reshape(B, T, H * D)), state

@@ -1,6 +1,6 @@
 """Stage 12 and the softplus gate on the H200, in one call beside FLA (issue 21).
 
-Three parts, one results file (common.results; rows carry ``part``):
+Five parts, one results file (common.results; rows carry ``part``):
 
 - ``accuracy``: on every softplus check case (common.checks.tc_softplus_cases:
   tails, B > 1 with h0, K = 64 and 128, the gate at its extremes), o and the
@@ -16,6 +16,10 @@ Three parts, one results file (common.results; rows carry ``part``):
   it (factored products, which must be stage 11's bitwise), stage 12 with the
   pairwise products pinned (what the scheme costs where it is not needed),
   and stage 11.
+- ``products``: at the same shapes with the softplus gate, stage 12 as it runs it
+  (pair by pair only in the chunks that decay by more than 80, factored elsewhere)
+  beside the pairwise products pinned in every chunk, with how many chunks of the
+  inputs are wide (``stage.wide_chunks``): what the choice per chunk buys.
 - ``paths``: stage 12 with the softplus gate on every path (``stage.path``).
 
     python scripts/bench_softplus.py --out $OUT/softplus.json [--parts accuracy,bounded,speed] [--who 12,fla]
@@ -38,7 +42,7 @@ from common import checks  # noqa: E402
 from common.bench import TC_GPU_SHAPES, _timed, peak_mb  # noqa: E402
 from common.inputs import make_inputs  # noqa: E402
 from common.metrics import rel_err  # noqa: E402
-from common.reference import kda_reference  # noqa: E402
+from common.reference import activate, kda_reference  # noqa: E402
 from common.results import metadata, save  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
@@ -96,6 +100,37 @@ def path_rows(shapes, on_row) -> None:
         del kw
 
 
+GATE_ARGS = ("q", "k", "g", "beta", "A_log", "dt_bias")
+
+
+def product_rows(shapes, on_row) -> None:
+    """Stage 12 with the softplus gate as it runs (pairwise only in the wide chunks) and
+    with the pairwise products pinned in every chunk, on the same inputs."""
+    s12 = load_stage("12")
+    for shape in shapes:
+        kw = gpu_inputs(**shape, gate="softplus")
+        with torch.no_grad():
+            wide, chunks = s12.wide_chunks(activate(*(kw[n] for n in GATE_ARGS))[3])
+            o, S = s12.forward(**kw)
+            with s12.pairwise(True):
+                o_pw, S_pw = s12.forward(**kw)
+        diff = max(rel_err(o, o_pw), rel_err(S, S_pw))
+        del o, S, o_pw, S_pw
+
+        def f(kw=kw):
+            with torch.no_grad():
+                return s12.forward(**kw)
+
+        def fpw(kw=kw):
+            with torch.no_grad(), s12.pairwise(True):
+                return s12.forward(**kw)
+
+        on_row(timing_row("products", "12_softplus", shape, f, gate="softplus", products="as needed",
+                          wide_chunks=wide, chunks=chunks, rel_diff_vs_pairwise=diff))
+        on_row(timing_row("products", "12_softplus", shape, fpw, gate="softplus", products="pairwise"))
+        del kw
+
+
 def accuracy_rows(fla: bool) -> list[dict]:
     from common.fla_ref import fla_forward
 
@@ -104,10 +139,14 @@ def accuracy_rows(fla: bool) -> list[dict]:
     for case in checks.tc_softplus_cases():
         inp = checks.case_inputs(case, "cpu", torch.bfloat16)
         got = checks.run(s12.forward, inp, "cuda", backward=False)
+        with s12.pairwise(True):
+            pw = checks.run(s12.forward, inp, "cuda", backward=False)
         ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
-        row = dict(part="accuracy", case=case.id, extreme=case.extreme,
+        wide, chunks = s12.wide_chunks(activate(*(inp[n].double() for n in GATE_ARGS))[3])
+        row = dict(part="accuracy", case=case.id, extreme=case.extreme, wide_chunks=wide, chunks=chunks,
                    o_err=rel_err(got["o"], ref["o"]), S_err=rel_err(got["S"], ref["S"]),
-                   finite=bool(torch.isfinite(got["o"]).all() and torch.isfinite(got["S"]).all()))
+                   finite=bool(torch.isfinite(got["o"]).all() and torch.isfinite(got["S"]).all()),
+                   pairwise_o_err=rel_err(pw["o"], ref["o"]), pairwise_S_err=rel_err(pw["S"], ref["S"]))
         if fla:
             f = checks.run(by_heads(fla_forward, 32 if case.K == 128 else 4), inp, "cuda", backward=False)
             row.update(fla_o_err=rel_err(f["o"], ref["o"]), fla_S_err=rel_err(f["S"], ref["S"]),
@@ -244,8 +283,10 @@ def main(argv=None) -> int:
             speed_rows(shapes, who, on_row)
         elif part == "paths":
             path_rows(shapes, on_row)
+        elif part == "products":
+            product_rows(shapes, on_row)
         else:
-            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, paths")
+            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, products, paths")
     say(f"wrote {out}: {len(rows)} rows")
     return 0
 

@@ -5,7 +5,8 @@ for compute-sanitizer:
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py 06 no_load_warp
 
 A stage with several paths (the PATHS of stages 08 and 09) runs each of them, pinned, as well, at K = V = 64 and 128,
-its split path also in segments of 3 chunks.
+its split path also in segments of 3 chunks. Stage 12 runs its extreme softplus cases (pairwise products in
+the wide chunks) on every path too.
 """
 
 import sys
@@ -56,6 +57,17 @@ if spec.varlen:  # packed sequences (stage 11 on): every path, ragged
                 with stage.path(name, segment_chunks=seg):
                     got = checks.run_varlen(stage.forward, inp, "cuda")
                 res.update({f"{k} (packed {case.lengths}, {name or 'rule'}, seg {seg})": v for k, v in got.items()})
+if hasattr(stage, "pairwise"):  # stage 12: the pairwise products, at the gate's extremes (wide and narrow
+    # chunks side by side: each chunk picks its products) on every path, and pinned in every chunk
+    for case in [c for c in checks.tc_softplus_cases() if c.extreme]:
+        inp = checks.case_inputs(case, "cuda", torch.bfloat16)
+        for name in [None] + [n for n, (_, ncw) in stage.PATHS.items() if 16 * ncw <= case.V]:
+            with stage.path(name):
+                res.update({f"{k} ({case.id}, {name or 'rule'})": v
+                            for k, v in checks.run(stage.forward, inp, "cuda", backward=False).items()})
+        with stage.pairwise(True):
+            res.update({f"{k} ({case.id}, pairwise pinned)": v
+                        for k, v in checks.run(stage.forward, inp, "cuda", backward=False).items()})
 torch.cuda.synchronize()
 bad = [n for n, t in res.items() if t is not None and not torch.isfinite(t).all()]
 print(f"stage {spec.name}: {'non-finite ' + str(bad) if bad else 'all outputs finite'}")

@@ -92,6 +92,35 @@ def test_pairwise_products_on_the_bounded_gate(sid, case):
     assert rel_err(pw["o"], fac["o"]) <= 5e-3
 
 
+@pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "wide_chunks")])
+def test_pairwise_only_where_a_chunk_needs_it(sid):
+    """The softplus gate with one wide chunk (sequence 1, head 0, tokens 32-47 at a = -400
+    per token) among narrow ones: the default (pairwise in that chunk, factored in the
+    rest) and the pairwise products pinned in every chunk are both finite and within the
+    bf16 tolerance of fp64 (the factored products in the wide chunk would overflow), and
+    not bitwise equal (the narrow chunks took the factored products)."""
+    from common.metrics import tolerance
+    from common.reference import activate, kda_reference
+
+    stage = load_stage(sid)
+    inp = checks.case_inputs(checks.tc_softplus_cases()[0], "cpu", torch.bfloat16)
+    inp["A_log"][0] = 3.0
+    inp["g"][1, 32:48, 0] = 20.0
+    a = activate(*(inp[n].double() for n in ("q", "k", "g", "beta", "A_log", "dt_bias")))[3]
+    wide, total = stage.wide_chunks(a)
+    assert wide == 1 and total > 1, (wide, total)
+    ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
+    got = checks.run(stage.forward, inp, "cuda", backward=False)
+    with stage.pairwise(True):
+        pw = checks.run(stage.forward, inp, "cuda", backward=False)
+    tol = tolerance("bf16")
+    for out in (got, pw):
+        assert all(torch.isfinite(out[n]).all() for n in ("o", "S"))
+        errs = {n: rel_err(out[n], ref[n]) for n in ("o", "S")}
+        assert max(errs.values()) <= tol, errs
+    assert not torch.equal(got["o"], pw["o"])
+
+
 @pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "pairwise")])
 def test_factored_products_refuse_the_softplus_gate(sid):
     """exp(-gc) overflows without a bound: pinning the factored products on the softplus

@@ -417,11 +417,13 @@ def test_opcheck_with_the_fake_extension(ext, final, N):
                                       "test_aot_dispatch_dynamic"))
 
 
-def test_compile_fullgraph_no_graph_break(ext):
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_compile_fullgraph_no_graph_break(ext, lower_bound):
     """A small FLA-style KDA layer compiles with fullgraph=True (no graph break)
-    and gives what eager gives."""
+    and gives what eager gives, with either gate (the softplus gate dispatches to
+    the unbounded stage inside the op)."""
     torch.manual_seed(0)
-    layer = KDALayer(hidden_size=96, num_heads=2, head_dim=64)
+    layer = KDALayer(hidden_size=96, num_heads=2, head_dim=64, lower_bound=lower_bound)
     x = torch.randn(2, 21, 96)
     with torch.no_grad():
         ref, ref_state = layer(x)
@@ -433,6 +435,8 @@ def test_compile_fullgraph_no_graph_break(ext):
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(state, ref_state)
     assert len(ext.calls) >= 2
+    want = (op.STAGE, 1) if lower_bound is not None else (op.STAGE_UNBOUNDED, 0)
+    assert {(c["stage"], c["gate_id"]) for c in ext.calls} == {want}
 
 
 def test_compile_fullgraph_with_packed_sequences(ext):

@@ -175,19 +175,21 @@ def _fla_own(fn, *args, **kw):
 
 @pytest.mark.parametrize("N", [None, 4])
 @pytest.mark.parametrize("final", [False, True])
-def test_opcheck(N, final):
+@pytest.mark.parametrize("gate", [(1, -5.0), (0, 0.0)], ids=["bounded", "softplus"])
+def test_opcheck(N, final, gate):
     kw = raw(T=100, H=2, D=64, N=N)
     cu = kw.get("cu_seqlens")
     args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"].view(2, 64),
-            kw["initial_state"], None if cu is None else cu.int(), 0.125, 1, -5.0, True, 1, True, final,
+            kw["initial_state"], None if cu is None else cu.int(), 0.125, *gate, True, 1, True, final,
             0 if cu is None else int((cu[1:] - cu[:-1]).max()))
     torch.library.opcheck(torch.ops.kdalab.chunk_kda_fwd.default, args)
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_compile_fullgraph_matches_eager(packed):
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_compile_fullgraph_matches_eager(packed, lower_bound):
     torch.manual_seed(0)
-    layer = KDALayer(hidden_size=512, num_heads=4, head_dim=128).cuda().bfloat16()
+    layer = KDALayer(hidden_size=512, num_heads=4, head_dim=128, lower_bound=lower_bound).cuda().bfloat16()
     x = torch.randn(1, 300, 512, device="cuda", dtype=torch.bfloat16)
     extra = dict(cu_seqlens=torch.tensor([0, 17, 150, 300], device="cuda"),
                  initial_state=torch.zeros(3, 4, 128, 128, device="cuda")) if packed else {}

@@ -100,3 +100,28 @@ def test_the_scheme_is_the_direct_sum_at_the_gates_extremes():
     assert torch.allclose(L, torch.tril(direct, -1), rtol=1e-12, atol=1e-12)
     assert torch.allclose(A, torch.tril(directA), rtol=1e-12, atol=1e-12)
     assert torch.isfinite(L).all() and torch.isfinite(A).all()
+
+
+def test_wide_chunks_counts_the_chunks_past_the_factored_range():
+    """stage.wide_chunks: a chunk is wide when one key dimension decays by more than
+    FACTORED_RANGE (the value kernel's kFactoredRange holds) over its 16 tokens; the tail
+    chunk counts, and packed sequences are cut at their own boundaries."""
+    from common.stages import load_stage
+
+    stage = load_stage("12")
+    src = (STAGES_DIR / "12_softplus" / "common.cuh").read_text()
+    assert float(re.search(r"constexpr float kFactoredRange = ([0-9.]+)f;", src).group(1)) == stage.FACTORED_RANGE
+    a = torch.full((2, 40, 3, 8), -0.1, dtype=torch.float64)  # 16 x 0.1: far inside the range
+    a[1, 33, 2, 5] = -79.5                                      # tail chunk (8 tokens) of row 1, head 2: 80.2
+    assert stage.wide_chunks(a) == (1, 2 * 3 * 3)
+    a[1, 33, 2, 5] = -79.0                                      # 79.7: inside
+    assert stage.wide_chunks(a) == (0, 18)
+    a[0, 15, 0, 0] = -80.0                                      # chunk 0 of row 0, head 0: 81.5
+    assert stage.wide_chunks(a) == (1, 18)
+    # packed: one sequence of 10 and one of 30 tokens -> 1 + 2 chunks per head; the
+    # decay at token 15 now lies in the second sequence's first chunk (tokens 10-25)
+    packed = a[:1].clone()
+    assert stage.wide_chunks(packed, cu_seqlens=torch.tensor([0, 10, 40])) == (1, 3 * 3)
+    packed[0, 15, 0, 0] = -0.1
+    packed[0, 5, 1, 7] = -80.0                                  # first sequence, head 1: 80.9
+    assert stage.wide_chunks(packed, cu_seqlens=torch.tensor([0, 10, 40])) == (1, 9)

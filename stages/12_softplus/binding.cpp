@@ -25,8 +25,10 @@
 // l2norm: q, k L2-normalised here (true) or taken as they are; beta_mode: 0 beta as it
 // is, 1 sigmoid(beta), 2 2 sigmoid(beta).
 // lower_bound: in [-5, 0) with gate_id 1; ignored with gate_id 0; with gate_id 3 in [-5, 0)
-// or 0 (no bound). pairwise: -1 the gate's (pairwise exactly when the gate has no bound),
-// 1 pairwise products for any gate, 0 factored (refused for a gate without a bound).
+// or 0 (no bound). pairwise (KdaProducts): -1 the gate's (a bounded gate factored, one
+// without a bound pairwise in the chunks that decay by more than 80, factored elsewhere),
+// 0 factored in every chunk (refused for a gate without a bound), 1 pairwise in every
+// chunk, 2 as needed (any gate).
 // Supported: gate_id 0, 1 or 3, chunk_size 16, K = V in {64, 128}.
 // There is no bwd: this stage is forward only.
 // fused, ncw and segment_chunks pin the path (fused -1: the stage's rule, kda_fwd_plan; 0
@@ -124,7 +126,8 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
               gate_id == KDA_GATE_LOG ? "lower_bound must be in [-5, 0), or 0 (no bound), got "
                                       : "lower_bound must be in [-5, 0), got ", lower_bound);
   const bool bounded = gate_id != KDA_GATE_SOFTPLUS && lb_in_range;  // the factored products may run
-  TORCH_CHECK(pairwise >= -1 && pairwise <= 1, "pairwise must be -1 (the gate's), 0 (factored) or 1, got ", pairwise);
+  TORCH_CHECK(pairwise >= -1 && pairwise <= 2,
+              "pairwise must be -1 (the gate's), 0 (factored), 1 (pairwise) or 2 (as needed), got ", pairwise);
   TORCH_CHECK(pairwise != 0 || bounded, "pairwise=0 (the factored products) needs a bounded gate (gate_id 1, or "
               "gate_id 3 with lower_bound in [-5, 0)): exp(-gc) overflows without a bound; got gate_id ", gate_id,
               ", lower_bound ", lower_bound);
@@ -217,7 +220,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
   p.gate_id = (int)gate_id;
-  p.pairwise = pairwise == -1 ? (bounded ? 0 : 1) : (int)pairwise;
+  p.pairwise = pairwise == -1 ? (bounded ? KDA_PRODUCTS_FACTORED : KDA_PRODUCTS_AS_NEEDED) : (int)pairwise;
   p.l2norm = l2norm ? 1 : 0;
   p.beta_mode = (int)beta_mode;
   p.state_v_first = state_v_first ? 1 : 0;

@@ -33,6 +33,10 @@ constexpr int kPad = 8;       // bf16 row padding of the MMA operand tiles (16 b
 constexpr int kThreads = 128; // K1: 4 warps
 constexpr float kL2Eps = 1e-6f;
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x log2 e)
+// The factored products need exp(+-gc) in fp32's normal range: a chunk whose decay
+// glast (every key dimension) is >= -kFactoredRange may take them (the bounded gate's
+// guarantee: 16 tokens of a > -5); a wider chunk of an unbounded gate goes pair by pair.
+constexpr float kFactoredRange = 80.f;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // ---------------------------------------------------------------------------

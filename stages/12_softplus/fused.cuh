@@ -31,6 +31,18 @@ __device__ __forceinline__ void prep_sync(int team) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "n"(kThreads) : "memory");
 }
 
+// prep_sync that also ORs a predicate over the team's threads (bar.red.or): every
+// thread gets whether any thread of the team passed true.
+__device__ __forceinline__ bool prep_sync_or(int team, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"((uint32_t)pred), "r"(1 + team), "n"(kThreads)
+      : "memory");
+  return any != 0;
+}
+
 // ---------------------------------------------------------------------------
 // kda_fused_kernel -- K1 and K2 in one block per (sequence, head, 16 * NCW value columns),
 // over the NT_i chunks of its own sequence (an empty one: no chunk, ht = h0 or 0):
@@ -107,10 +119,11 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
       if (n >= kStages) mbar_wait(&sm.ring.empty[n % kStages], (n / kStages - 1) & 1);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync(team);
-      decay_columns<K, V, K + kPad, BT + kPad, true, false>(scratch, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
-      prep_sync(team);
+      const bool wide =
+          decay_columns<K, V, K + kPad, BT + kPad, true, false>(scratch, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
+      const bool any_wide = prep_sync_or(team, wide);  // the chunk's decay, over its key dimensions
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_DECAY, tp);
-      if (p.pairwise) {
+      if (pairwise_here(p, any_wide)) {
         products_pairwise<K, V, BT + kPad, true>(scratch, p, tid, &st.Aqk[0][0]);
       } else {
         products<K, V, BT + kPad>(scratch, tid, &st.qd[0][0], &st.Aqk[0][0]);

@@ -15,11 +15,17 @@
 //     ln(1 + e^-|x|) (the fused prepare: two MUFU, ex2 and lg2).
 //   * the log decay without a bound (gate_id 3, lower_bound 0: FLA's safe_gate=False).
 //
-// The bounded gate keeps the factored products (cheaper: two MMAs against 10 tiles of
-// fp32 work) unless the caller asks for pairwise (p.pairwise, the binding's
-// `pairwise`): with it a bounded call computes the same L and Aqk a different way,
-// which is how the scheme's cost is measured. Nothing else changes: a bounded call
-// without `pairwise` is stage 11's, bitwise.
+//   * pairwise only where needed: the factored products are cheaper (two MMAs against
+//     10 tiles of fp32 work), and most chunks of the softplus gate decay by far less
+//     than 80. So an unbounded gate's chunk checks its own decay glast after the
+//     cumsum (one barrier with an OR over its key dimensions) and takes the factored
+//     products when every dimension decays by at most kFactoredRange = 80 (what the
+//     bounded gate guarantees), the pairwise ones otherwise.
+//
+// The bounded gate keeps the factored products unless the caller pins pairwise
+// (p.pairwise, the binding's `pairwise`): with it a call computes the same L and Aqk
+// pair by pair in every chunk, which is how the scheme's cost is measured. Nothing
+// else changes: a bounded call without `pairwise` is stage 11's, bitwise.
 //
 // Files (one translation unit: kda.cu includes the kernel files):
 //   common.cuh      constants, MMA helpers and fragment moves, vector accesses,
@@ -150,8 +156,9 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
   if (!(raw_gate && p.g != nullptr) && !(p.gate_id == KDA_GATE_LOG && p.g_log != nullptr))
     return cudaErrorInvalidValue;  // the gate and its input
   const bool bounded = p.gate_id == KDA_GATE_BOUNDED || (p.gate_id == KDA_GATE_LOG && p.lower_bound < 0.f);
-  if ((p.pairwise != 0 && p.pairwise != 1) || (!bounded && !p.pairwise))
-    return cudaErrorInvalidValue;  // the factored products need a bounded gate
+  if (p.pairwise < KDA_PRODUCTS_FACTORED || p.pairwise > KDA_PRODUCTS_AS_NEEDED ||
+      (!bounded && p.pairwise == KDA_PRODUCTS_FACTORED))
+    return cudaErrorInvalidValue;  // the factored products in every chunk need a bounded gate
   if (p.beta_mode < 0 || p.beta_mode > 2) return cudaErrorInvalidValue;
   if (!plan.fused && (p.qd == nullptr || p.w == nullptr || p.krT == nullptr || p.Aqk == nullptr ||
                       p.u == nullptr || p.el == nullptr))

@@ -31,6 +31,9 @@
 //          log decay without a bound (lower_bound 0) need it; the rest of the chunk
 //          (w, u, qd, kr, the recurrence) stays on the tensor cores, every operand
 //          of it being kn or qn times a decay <= 1.
+//   as needed (KDA_PRODUCTS_AS_NEEDED, the unbounded gates' default): each chunk
+//          checks its own decay (one barrier with an OR) and goes pairwise only where
+//          some key dimension decays by more than kFactoredRange = 80 within it.
 //
 // Forward only. Two paths (kda_fwd_plan picks one, the binding allocates what it needs):
 //   split: K1 prepares every chunk in parallel into the workspace, K2 runs the
@@ -71,6 +74,13 @@ enum KdaGate {
   KDA_GATE_LOG = 3,       // a = g_log as it is (fp32; a <= 0, and >= lower_bound unless lower_bound = 0)
 };
 
+// How a chunk's L and Aqk are formed (KdaFwdParams::pairwise, the binding's pairwise).
+enum KdaProducts {
+  KDA_PRODUCTS_FACTORED = 0,   // through exp(-gc) (stages 05-11; bounded gates only)
+  KDA_PRODUCTS_PAIRWISE = 1,   // pair by pair (products_pairwise) in every chunk, any gate
+  KDA_PRODUCTS_AS_NEEDED = 2,  // pair by pair in a chunk whose decay is wider than kFactoredRange, else factored
+};
+
 struct KdaFwdParams {
   // ---- sizes ----
   int B, T, H, K, V;
@@ -96,7 +106,7 @@ struct KdaFwdParams {
   float lower_bound;  // bounded gate: a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
   // ---- the caller's layout and activations (runtime flags, read uniformly by the pre-stage) ----
   int gate_id;        // KDA_GATE_SOFTPLUS, KDA_GATE_BOUNDED or KDA_GATE_LOG
-  int pairwise;       // 1: L and Aqk pair by pair (products_pairwise; any gate); 0: factored (bounded gates)
+  int pairwise;       // KdaProducts: how L and Aqk are formed
   int l2norm;         // 1: q, k L2-normalised here; 0: taken as they are
   int beta_mode;      // 0: beta as it is; 1: sigmoid(beta); 2: 2 sigmoid(beta) (FLA's allow_neg_eigval)
   int state_v_first;  // 1: h0, ht are [N, H, V, K]

@@ -322,7 +322,10 @@ __device__ __forceinline__ int el_index(int d) {
 //   -80 <= gc <= 0, so 1/e <= e^80 and e^glast / e lie in fp32's normal range.
 //   pairwise (any gate a <= 0): 1/e may overflow, so there is no ki, kr takes
 //   exp(glast - gc) <= 1 as one exponential of its own, and gc goes back to
-//   shared (sm.a, the gate's own rows) for products_pairwise.
+//   shared (sm.a, the gate's own rows) for products_pairwise. As needed: both ki
+//   and gc (the chunk picks its products after this phase), and the return value
+//   says whether this thread's dimensions decay by more than kFactoredRange
+//   (glast < -80: then ki may be inf, and the chunk must go pairwise).
 //   kd = kn e, ki = kn / e, qd = scale qn e   -> shared (bf16)
 //   qd -> out_qd [BT, K] (rows LDQ apart);  kr = kn e^glast / e -> out_krT as kr^T
 //   [K, BT] (rows LDKR apart; row d is this thread's 16 values: two 16-byte
@@ -337,10 +340,12 @@ __device__ __forceinline__ int el_index(int d) {
 //   that the split path stays bitwise stage 07's. kQdScratch = false: qd goes to
 //   out_qd only (products then reads it there).
 template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true>
-__device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
+__device__ __forceinline__ bool decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
                                               bf16* out_krT, float* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
-  const bool pw = p.pairwise;
+  const bool pw = p.pairwise != KDA_PRODUCTS_FACTORED;   // gc to shared, kr from exp(glast - gc)
+  const bool fac = p.pairwise != KDA_PRODUCTS_PAIRWISE;  // ki = kn / e
+  bool wide = false;
 #pragma unroll
   for (int d0 = 0; d0 < K; d0 += kThreads) {  // K = 128: once, no loop; K = 64: threads 64-127 idle
     const int d = d0 + tid;
@@ -361,10 +366,11 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
         av[c] = acc;  // gc (log2 units)
       }
       const float el = ex2_approx(acc);  // exp(glast)
+      wide |= acc < -kFactoredRange * kLog2e;
       bf16 kd[BT], ki[BT], qd[BT];
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
-        const float e = ex2_approx(av[c]), ie = pw ? 0.f : ex2_approx(-av[c]);
+        const float e = ex2_approx(av[c]), ie = fac ? ex2_approx(-av[c]) : 0.f;
         kd[c] = bf16(kv[c] * e);
         ki[c] = bf16(kv[c] * ie);
         qd[c] = bf16(qv[c] * e);  // qn carries the scale (stage_row_slices)
@@ -375,11 +381,8 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
         sm.kd[c][d] = kd[c];
-        if (pw) {
-          sm.a[c][d] = av[c];  // gc (log2 units) for products_pairwise
-        } else {
-          sm.ki[c][d] = ki[c];
-        }
+        if (pw) sm.a[c][d] = av[c];  // gc (log2 units) for products_pairwise
+        if (fac) sm.ki[c][d] = ki[c];
         if constexpr (kQdScratch) sm.qd[c][d] = qd[c];
         out_qd[c * LDQ + d] = qd[c];
       }
@@ -393,20 +396,16 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
       }
       const float el = expf(acc);  // exp(glast)
       out_el[el_index<K>(d)] = el;
+      wide |= acc < -kFactoredRange;
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
         const float e = expf(gc[c]);
         const float knv = sm.kn[c][d];
         sm.kd[c][d] = bf16(knv * e);
-        float er;  // exp(glast - gc)
-        if (pw) {
-          sm.a[c][d] = gc[c];  // for products_pairwise
-          er = expf(acc - gc[c]);
-        } else {
-          const float ie = 1.0f / e;
-          sm.ki[c][d] = bf16(knv * ie);
-          er = el * ie;
-        }
+        const float ie = 1.0f / e;
+        if (pw) sm.a[c][d] = gc[c];  // for products_pairwise
+        if (fac) sm.ki[c][d] = bf16(knv * ie);
+        const float er = pw ? expf(acc - gc[c]) : el * ie;  // exp(glast - gc)
         const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
         if constexpr (kQdScratch) sm.qd[c][d] = qdv;
         out_qd[c * LDQ + d] = qdv;
@@ -418,6 +417,14 @@ __device__ __forceinline__ void decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
     dst[0] = make_uint4(kr_row[0], kr_row[1], kr_row[2], kr_row[3]);
     dst[1] = make_uint4(kr_row[4], kr_row[5], kr_row[6], kr_row[7]);
   }
+  return wide;
+}
+
+// Whether a chunk forms L and Aqk pair by pair: always (KDA_PRODUCTS_PAIRWISE), never
+// (FACTORED), or where one of its key dimensions decays by more than kFactoredRange
+// (AS_NEEDED; any_wide is decay_columns' answer ORed over the chunk's threads).
+__device__ __forceinline__ bool pairwise_here(const KdaFwdParams& p, bool any_wide) {
+  return p.pairwise == KDA_PRODUCTS_PAIRWISE || (p.pairwise == KDA_PRODUCTS_AS_NEEDED && any_wide);
 }
 
 // Phase 3: L/Aqk products, one warp each (both read ki as B; warps 2-3 wait):
@@ -659,10 +666,10 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
   bf16* const qd_out = reinterpret_cast<bf16*>(p.qd) + slot * BT * K;
   bf16* const krT_out = reinterpret_cast<bf16*>(p.krT) + slot * K * BT;
   float* const el_out = p.el + slot * K;
-  decay_columns<K, V, K, BT>(sm, p, tid, qd_out, krT_out, el_out);
-  __syncthreads();
+  const bool wide = decay_columns<K, V, K, BT>(sm, p, tid, qd_out, krT_out, el_out);
+  const bool any_wide = __syncthreads_or(wide);  // the chunk's decay, over its key dimensions
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRE, tp);
-  if (p.pairwise) {
+  if (pairwise_here(p, any_wide)) {
     products_pairwise<K, V, BT, false>(sm, p, tid, reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
   } else {
     products<K, V, BT>(sm, tid, &sm.qd[0][0], reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);

@@ -4,10 +4,12 @@ Kimi Linear's gate, ``gate="softplus"`` (a = -exp(A_log) softplus(g + dt_bias), 
 lower bound), runs here: the chunk's two 16 x 16 products L and Aqk are formed pair
 by pair with each pair's decay exp(gc_i - gc_j) <= 1 (``products_pairwise`` in
 prepare.cuh), where stages 05-11 factor them through exp(-gc), which overflows
-without a bound. Everything else is stage 11's: packed sequences, the state in either
-layout, the caller's activations (for the op), and the bounded gate with the
-factored products, bitwise. ``pairwise(True)`` pins the pairwise products for any
-gate (the measurement of what they cost on the bounded gate); ``path`` pins one path.
+without a bound. A chunk goes pair by pair only when one of its key dimensions decays
+by more than FACTORED_RANGE within it (``wide_chunks`` counts them); the rest keep
+the factored products. Everything else is stage 11's: packed sequences, the state in
+either layout, the caller's activations (for the op), and the bounded gate with the
+factored products, bitwise. ``pairwise(True)`` pins the pairwise products in every
+chunk, for any gate (the measurement of what they cost); ``path`` pins one path.
 """
 
 from pathlib import Path
@@ -105,6 +107,31 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
     return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=pin)
 
 
+# A chunk whose decay -glast (any key dimension, natural log) exceeds this goes pair by pair
+# (common.cuh kFactoredRange: the bounded gate's guarantee, 16 tokens of a >= -5).
+FACTORED_RANGE = 80.0
+
+
+def wide_chunks(a, cu_seqlens=None):
+    """How many chunks go pair by pair, and how many there are, for the log decay a
+    ([B, T, H, K], natural log, a <= 0: the last of common.reference.activate's four): a
+    chunk (16 tokens of one sequence and head) is wide when some key dimension's decay
+    summed over it is below -FACTORED_RANGE. Computed in float64 here: a chunk within
+    fp32 round-off of the range may be counted the other way by the kernel."""
+    B, T, H, K = a.shape
+    bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
+        [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    wide = total = 0
+    for b, s, e in bounds:
+        x = a[b, s:e].double()
+        n = -(-(e - s) // 16)
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 16 * n - (e - s)))
+        glast = x.reshape(n, 16, H, K).sum(1)  # [n, H, K]
+        wide += int((glast < -FACTORED_RANGE).any(-1).sum())
+        total += n * H
+    return wide, total
+
+
 # The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
 SEGMENT_CHUNKS = 64
 
@@ -175,9 +202,10 @@ def _check_pairwise(pin, c):
 
 @contextmanager
 def pairwise(on=True):
-    """Pin how the calls inside the block form L and Aqk: True pairwise (any gate), False
-    factored through exp(-gc) (stage 11's; only a bounded gate: the softplus gate raises at
-    its call), None the gate's own choice (pairwise exactly when the gate has no bound)."""
+    """Pin how the calls inside the block form L and Aqk: True pair by pair in every chunk
+    (any gate), False factored through exp(-gc) in every chunk (stage 11's; only a bounded
+    gate: the softplus gate raises at its call), None the gate's own choice (a bounded gate
+    factored; a gate without a bound pair by pair in its wide chunks, factored elsewhere)."""
     if on is not None and not isinstance(on, bool):
         raise TypeError(f"pairwise must be True, False or None, got {on!r}")
     token = _PAIRWISE.set(on)
