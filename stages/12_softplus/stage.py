@@ -139,6 +139,10 @@ SEGMENT_CHUNKS = 64
 # compares): thread 0 of each team adds its timeline to the block's prepare regions of a profile.
 PREP_TEAMS = 2
 
+# The rule's split width at V = 128 (kda_fwd_plan): two compute warps per K2 block at any
+# number of heads (re-measured here where the serial chain binds; a GPU test counts K2's grid).
+SPLIT_NCW_V128 = 2
+
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
 
