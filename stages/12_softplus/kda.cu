@@ -135,7 +135,7 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   // SMs once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
   // heads). docs/PERF_NOTES.md, results/h200/stage08/. Stage 12 re-measured the
   // split width at V = 128 where the serial chain binds (few heads, long
-  // sequences; results/h200/stage12/paths_call2.json): two compute warps there
+  // sequences; results/h200/stage12/softplus_paths_call2.json): two compute warps there
   // too, though their blocks do not cover the SMs (10.02 against 12.01 ms at
   // B1 T131072 H32, 0.750 against 0.776 ms at B1 T8192 H32, 0.215 against
   // 0.223 ms at B1 T4096 H16): so at V = 128 the split path always takes two.
