@@ -2,6 +2,10 @@
 # On the H200 (device tool): install carried wheels, then run scripts/gpu_run.py.
 #   bash scripts/gpu_run.sh --stages 02,03,04 --fla
 #   bash scripts/gpu_run.sh --stages 05,06,07 --fla --flashkda   # FlashKDA built from .flashkda/ (carried) first
+# Records name the commit from KDALAB_COMMIT when set (common.results.metadata): set it in the device command
+# (KDALAB_COMMIT=<hash, here> bash scripts/gpu_run.sh ...), since the device copy's git may name an older commit.
+# FLA's autotune results (FLA_CACHE_RESULTS=1, its default) land in TRITON_CACHE_DIR: to skip the autotune in a
+# later call (about 100 s per head count), tar the *.autotune.json files there to $OUT and carry them back.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export OUT=${OUT:-/tmp/kdalab-out}
