@@ -21,17 +21,21 @@ def activate(q, k, g, beta, A_log, dt_bias, *, gate="softplus", lower_bound=None
 
     Shapes: q, k, g [B, T, H, K]; beta [B, T, H]; A_log [H]; dt_bias [H, K].
     """
-    gate, _, lb = check_gate(gate, lower_bound)
     qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
     kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
     b = torch.sigmoid(beta)
+    return qn, kn, b, log_decay(g, A_log, dt_bias, gate=gate, lower_bound=lower_bound)
+
+
+def log_decay(g, A_log, dt_bias, *, gate="softplus", lower_bound=None):
+    """The gate alone: the log-decay a [B, T, H, K] of the raw g [B, T, H, K] (A_log [H],
+    dt_bias [H, K]), in the dtype of its inputs; the last of :func:`activate`'s four."""
+    gate, _, lb = check_gate(gate, lower_bound)
     A = torch.exp(A_log)[None, None, :, None]  # [1, 1, H, 1]
     x = g + dt_bias[None, None]  # [B, T, H, K]
     if gate == "softplus":
-        a = -A * F.softplus(x)
-    else:
-        a = lb * torch.sigmoid(A * x)
-    return qn, kn, b, a
+        return -A * F.softplus(x)
+    return lb * torch.sigmoid(A * x)
 
 
 def kda_reference(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,

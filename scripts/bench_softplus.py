@@ -42,7 +42,7 @@ from common import checks  # noqa: E402
 from common.bench import TC_GPU_SHAPES, _timed, peak_mb  # noqa: E402
 from common.inputs import make_inputs  # noqa: E402
 from common.metrics import rel_err  # noqa: E402
-from common.reference import activate, kda_reference  # noqa: E402
+from common.reference import kda_reference, log_decay  # noqa: E402
 from common.results import metadata, save  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
@@ -100,9 +100,6 @@ def path_rows(shapes, on_row) -> None:
         del kw
 
 
-GATE_ARGS = ("q", "k", "g", "beta", "A_log", "dt_bias")
-
-
 def product_rows(shapes, on_row) -> None:
     """Stage 12 with the softplus gate as it runs (pairwise only in the wide chunks) and
     with the pairwise products pinned in every chunk, on the same inputs."""
@@ -110,7 +107,7 @@ def product_rows(shapes, on_row) -> None:
     for shape in shapes:
         kw = gpu_inputs(**shape, gate="softplus")
         with torch.no_grad():
-            wide, chunks = s12.wide_chunks(activate(*(kw[n] for n in GATE_ARGS))[3])
+            wide, chunks = s12.wide_chunks(log_decay(kw["g"], kw["A_log"], kw["dt_bias"]))
             o, S = s12.forward(**kw)
             with s12.pairwise(True):
                 o_pw, S_pw = s12.forward(**kw)
@@ -142,7 +139,7 @@ def accuracy_rows(fla: bool) -> list[dict]:
         with s12.pairwise(True):
             pw = checks.run(s12.forward, inp, "cuda", backward=False)
         ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
-        wide, chunks = s12.wide_chunks(activate(*(inp[n].double() for n in GATE_ARGS))[3])
+        wide, chunks = s12.wide_chunks(log_decay(*(inp[n].double() for n in ("g", "A_log", "dt_bias"))))
         row = dict(part="accuracy", case=case.id, extreme=case.extreme, wide_chunks=wide, chunks=chunks,
                    o_err=rel_err(got["o"], ref["o"]), S_err=rel_err(got["S"], ref["S"]),
                    finite=bool(torch.isfinite(got["o"]).all() and torch.isfinite(got["S"]).all()),

@@ -326,12 +326,16 @@ def main():
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, stages {stages}, phases {phases}")
     from common.stages import previous, stage_ids
 
-    to_build = sorted(set(stages) | {previous(s) for s in stages} - {None, "00"})
-    # and the stages the checks compare a case with when the previous one cannot run it
-    # (stage 12's softplus cases: stage 04), so that the tests do not build them on the clock
     from common import checks
-    to_build = sorted(set(to_build) | {p.SPEC.id for s in stages for c in checks.cases_for(load_stage(s).SPEC, "cuda")
-                                       if (p := checks.previous_for(load_stage(s), c)) is not None} - {"00"})
+
+    def compared_with(s):
+        """The previous stage, and any the checks take instead where it cannot run a case (stage 12's
+        softplus cases: stage 04), so that the tests do not build them on the clock."""
+        stage = load_stage(s)
+        return {previous(s)} | {p.SPEC.id for c in checks.cases_for(stage.SPEC, "cuda")
+                                if (p := checks.previous_for(stage, c)) is not None}
+
+    to_build = sorted(set(stages).union(*map(compared_with, stages)) - {None, "00"})
     if "notebooks" in phases or "notebooks-fla" in phases or "tour" in phases:
         to_build = sorted(set(to_build) | (set(stage_ids()) - {"00"}))  # every stage with a build
     with_ablations = args.ablations or "ablations" in phases

@@ -100,14 +100,13 @@ def test_pairwise_only_where_a_chunk_needs_it(sid):
     bf16 tolerance of fp64 (the factored products in the wide chunk would overflow), and
     not bitwise equal (the narrow chunks took the factored products)."""
     from common.metrics import tolerance
-    from common.reference import activate, kda_reference
+    from common.reference import kda_reference, log_decay
 
     stage = load_stage(sid)
     inp = checks.case_inputs(checks.tc_softplus_cases()[0], "cpu", torch.bfloat16)
     inp["A_log"][0] = 3.0
     inp["g"][1, 32:48, 0] = 20.0
-    a = activate(*(inp[n].double() for n in ("q", "k", "g", "beta", "A_log", "dt_bias")))[3]
-    wide, total = stage.wide_chunks(a)
+    wide, total = stage.wide_chunks(log_decay(*(inp[n].double() for n in ("g", "A_log", "dt_bias"))))
     assert wide == 1 and total > 1, (wide, total)
     ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
     got = checks.run(stage.forward, inp, "cuda", backward=False)

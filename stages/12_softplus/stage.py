@@ -114,7 +114,7 @@ FACTORED_RANGE = 80.0
 
 def wide_chunks(a, cu_seqlens=None):
     """How many chunks go pair by pair, and how many there are, for the log decay a
-    ([B, T, H, K], natural log, a <= 0: the last of common.reference.activate's four): a
+    ([B, T, H, K], natural log, a <= 0: what common.reference.log_decay gives): a
     chunk (16 tokens of one sequence and head) is wide when some key dimension's decay
     summed over it is below -FACTORED_RANGE. Computed in float64 here: a chunk within
     fp32 round-off of the range may be counted the other way by the kernel."""
