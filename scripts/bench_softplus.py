@@ -20,7 +20,8 @@ Five parts, one results file (common.results; rows carry ``part``):
   (pair by pair only in the chunks that decay by more than 80, factored elsewhere)
   beside the pairwise products pinned in every chunk, with how many chunks of the
   inputs are wide (``stage.wide_chunks``): what the choice per chunk buys.
-- ``paths``: stage 12 with the softplus gate on every path (``stage.path``).
+- ``paths``: stage 12 with the softplus gate on every path (``stage.path``), and
+  the split paths at other segment lengths (``--segments``).
 
     python scripts/bench_softplus.py --out $OUT/softplus.json [--parts accuracy,bounded,speed] [--who 12,fla]
         [--shapes 0,6] [--no-fla]
@@ -85,18 +86,23 @@ def by_heads(fwd, group: int):
     return run
 
 
-def path_rows(shapes, on_row) -> None:
+def path_rows(shapes, on_row, segments=()) -> None:
     """Stage 12 with the softplus gate on each of its paths (the rule was chosen for the
-    factored products, whose prepare is cheaper)."""
+    factored products, whose prepare is cheaper), and the split paths again at each
+    segment length of ``segments`` (chunks per K1 + K2 pair; rows carry segment_chunks)."""
     s12 = load_stage("12")
     for shape in shapes:
         kw = gpu_inputs(**shape, gate="softplus")
-        for name in [None] + [n for n, (_, ncw) in s12.PATHS.items() if 16 * ncw <= shape["V"]]:
-            def f(kw=kw, name=name):
-                with torch.no_grad(), s12.path(name):
+        runs = [(None, None)] + [(n, None) for n, (_, ncw) in s12.PATHS.items() if 16 * ncw <= shape["V"]]
+        runs += [(n, seg) for seg in segments for n, (fused, ncw) in s12.PATHS.items()
+                 if not fused and 16 * ncw <= shape["V"]]
+        for name, seg in runs:
+            def f(kw=kw, name=name, seg=seg):
+                with torch.no_grad(), s12.path(name, segment_chunks=seg):
                     return s12.forward(**kw)
 
-            on_row(timing_row("paths", "12_softplus", shape, f, gate="softplus", path=name or "rule"))
+            extra = {} if seg is None else {"segment_chunks": seg}
+            on_row(timing_row("paths", "12_softplus", shape, f, gate="softplus", path=name or "rule", **extra))
         del kw
 
 
@@ -246,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="indices into the shape list (TC_GPU_SHAPES + Kimi's)")
     ap.add_argument("--who", default="12,fla", help="speed: whose rows (12, fla), in this order")
     ap.add_argument("--no-fla", action="store_true", help="accuracy without FLA's errors")
+    ap.add_argument("--segments", default="", help="paths: also the split paths at these segment lengths "
+                                                   "(chunks, comma-separated; default: the stage's only)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_softplus.py needs a CUDA GPU", file=sys.stderr)
@@ -279,7 +287,7 @@ def main(argv=None) -> int:
         elif part == "speed":
             speed_rows(shapes, who, on_row)
         elif part == "paths":
-            path_rows(shapes, on_row)
+            path_rows(shapes, on_row, [int(x) for x in args.segments.split(",") if x])
         elif part == "products":
             product_rows(shapes, on_row)
         else:
