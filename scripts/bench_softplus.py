@@ -193,23 +193,27 @@ def gpu_inputs(B, T, H, K, V, gate="softplus", lower_bound=None, seed=0) -> dict
                 lower_bound=small["lower_bound"], scale=None, chunk_size=16)
 
 
-def speed_rows(shapes, who_list, on_row) -> None:
+def speed_rows(shapes, who_list, on_row, repeat: int = 1) -> None:
+    """GPU time of each (who, shape); with ``repeat`` > 1 the whole sweep ``repeat`` times in
+    turn (rows carry ``round``), so that the spread of one shape's time between rounds is
+    seen beside the difference between who."""
     from common.fla_ref import fla_forward
 
     s12 = load_stage("12")
     fwds = {"12": ("12_softplus", s12.forward), "fla": ("FLA chunk_kda", fla_forward)}
-    for who, fwd in (fwds[w] for w in who_list):
-        for shape in shapes:
-            kw = gpu_inputs(**shape, gate="softplus")
-            if who != "12_softplus":
-                kw["chunk_size"] = None  # FLA's own 64
+    for rnd in range(repeat):
+        for who, fwd in (fwds[w] for w in who_list):
+            for shape in shapes:
+                kw = gpu_inputs(**shape, gate="softplus")
+                if who != "12_softplus":
+                    kw["chunk_size"] = None  # FLA's own 64
 
-            def f(kw=kw, fwd=fwd):
-                with torch.no_grad():
-                    return fwd(**kw)
+                def f(kw=kw, fwd=fwd):
+                    with torch.no_grad():
+                        return fwd(**kw)
 
-            on_row(timing_row("speed", who, shape, f, gate="softplus"))
-            del kw
+                on_row(timing_row("speed", who, shape, f, gate="softplus", **({"round": rnd} if repeat > 1 else {})))
+                del kw
 
 
 def bounded_rows(shapes, on_row) -> None:
@@ -252,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="indices into the shape list (TC_GPU_SHAPES + Kimi's)")
     ap.add_argument("--who", default="12,fla", help="speed: whose rows (12, fla), in this order")
     ap.add_argument("--no-fla", action="store_true", help="accuracy without FLA's errors")
+    ap.add_argument("--repeat", type=int, default=1, help="speed: the sweep this many times in turn")
     ap.add_argument("--segments", default="", help="paths: also the split paths at these segment lengths "
                                                    "(chunks, comma-separated; default: the stage's only)")
     args = ap.parse_args(argv)
@@ -285,7 +290,7 @@ def main(argv=None) -> int:
         elif part == "bounded":
             bounded_rows(shapes, on_row)
         elif part == "speed":
-            speed_rows(shapes, who, on_row)
+            speed_rows(shapes, who, on_row, args.repeat)
         elif part == "paths":
             path_rows(shapes, on_row, [int(x) for x in args.segments.split(",") if x])
         elif part == "products":

@@ -1,13 +1,15 @@
-"""Packed sequences on the H200, in one call: stage 11 with cu_seqlens beside
+"""Packed sequences on the H200, in one call: stage 11 (or --stage 11,12) with cu_seqlens beside
 FlashKDA's varlen call and FLA's chunk_kda varlen (--fla), at FlashKDA's varlen
 shape (lengths 1300, 547, 2048, 963, 271, 3063 at H = 96) and two more mixes (a
 serving batch of 64 sequences of 64-2048 tokens at H = 32; 48 short sequences
 and one of 8192 tokens, last, at H = 32), K = V = 128, bounded gate (lower bound
 -5), an initial state per sequence. Also the old way at the first mix: stage 10
-called once per sequence in a Python loop (the cost the idea removes).
+called once per sequence in a Python loop (the cost the idea removes). With
+--paths, each stage's V-first call again on each pinned path (what the rule's
+choice is worth at each mix).
 
     python scripts/bench_varlen.py [--fla] [--out $OUT/varlen.json] [--mixes flashkda,serving64,long+short]
-                                   [--budget 1.0] [--no-ref] [--loop-all]
+                                   [--budget 1.0] [--no-ref] [--loop-all] [--stage 11,12] [--paths split2,fused8]
 
 Per row (results/h200 schema, common.results.save): mix, lengths, N, T, H, K, V,
 impl (the stage's name with its state layout, "FlashKDA", "FLA chunk_kda", or
@@ -35,6 +37,7 @@ without it carry the reason).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--fla", action="store_true", help="FLA's chunk_kda varlen too (last)")
     p.add_argument("--no-ref", action="store_true", help="skip the fp64 reference (errors against FlashKDA only)")
     p.add_argument("--loop-all", action="store_true", help="the per-sequence loop at every mix, not only the first")
-    p.add_argument("--stage", default="11", help="the packed-sequence stage (default 11)")
+    p.add_argument("--stage", default="11", help="the packed-sequence stages, comma-separated (default 11)")
+    p.add_argument("--paths", default="", help="also each of these pinned paths (e.g. split2,fused8), V-first")
     p.add_argument("--old", default="10", help="the stage called once per sequence (default 10)")
     args = p.parse_args(argv)
     names = [m.strip() for m in args.mixes.split(",") if m.strip()]
@@ -193,13 +197,15 @@ def main(argv=None) -> int:
     os.environ["FLA_FLASH_KDA"] = "0"  # FLA's rows are FLA's own kernels, never its FlashKDA backend
     from common.stages import load_stage
 
-    stage = load_stage(args.stage)
-    sname, oname = stage.SPEC.name, stage_name(args.old)
+    stages = [load_stage(sid) for sid in args.stage.split(",") if sid.strip()]
+    pins = [x for x in args.paths.split(",") if x.strip()]
+    oname = stage_name(args.old)
     fk_ok, fk_why = flashkda_available()
     fla_ok, fla_why = fla_available() if args.fla else (False, "not asked (--fla)")
     print(f"FlashKDA: {'importable' if fk_ok else fk_why}; FLA: {'importable' if fla_ok else fla_why}", flush=True)
     cmd = "python scripts/bench_varlen.py" + (" --fla" if args.fla else "") + (" --no-ref" if args.no_ref else "") \
-        + ("" if names == list(MIXES) else f" --mixes {','.join(names)}") + (" --loop-all" if args.loop_all else "")
+        + ("" if names == list(MIXES) else f" --mixes {','.join(names)}") + (" --loop-all" if args.loop_all else "") \
+        + ("" if args.stage == "11" else f" --stage {args.stage}") + (f" --paths {args.paths}" if pins else "")
     meta = metadata(command=cmd)
     meta.update(target_vs_flashkda=TARGET_VS_FLASHKDA, budget_s=args.budget, gate="bounded", lower_bound=-5.0,
                 mixes={m: dict(lengths=list(MIXES[m].lengths), H=MIXES[m].H, K=MIXES[m].K, V=MIXES[m].V)
@@ -272,34 +278,43 @@ def main(argv=None) -> int:
         add(row)
         torch.cuda.empty_cache()
 
-        # stage 11 with cu_seqlens: FlashKDA's layout (V-first states) and the K-first one
-        for vfirst in (True, False):
-            row = base(mix, case, f"{sname} ({'V-first' if vfirst else 'K-first'} state)")
-            row.update(stage=sname, state_v_first=vfirst)
-            try:
-                kw = inp if vfirst else kfirst(inp)
+        # each stage with cu_seqlens: FlashKDA's layout (V-first states) and the K-first one; then the
+        # V-first call on each pinned path (--paths), which shows what the rule's choice is worth
+        for stage in stages:
+            sname = stage.SPEC.name
+            runs = [(True, None), (False, None)] + [(True, pn) for pn in pins if pn in getattr(stage, "PATHS", {})]
+            for vfirst, pin in runs:
+                impl = f"{sname} ({'V-first' if vfirst else 'K-first'} state)" + (f" {pin}" if pin else "")
+                row = base(mix, case, impl)
+                row.update(stage=sname, state_v_first=vfirst, path=pin or "rule")
+                try:
+                    kw = inp if vfirst else kfirst(inp)
+                    pinned = stage.path(pin) if pin else contextlib.nullcontext()
 
-                def f(kw=kw):
-                    with torch.no_grad():
-                        return stage.forward(**kw)
+                    def f(kw=kw, pin=pin):
+                        with torch.no_grad(), (stage.path(pin) if pin else contextlib.nullcontext()):
+                            return stage.forward(**kw)
 
-                o, S = f()
-                row.update(errors(o, S if vfirst else S.transpose(-1, -2), ref))
-                del o, S
-                # GPU time: the call validated once (its CPU copy of cu_seqlens cannot be captured in a
-                # graph), as FlashKDA's call is converted once; call time: the whole forward, as a user calls it
-                row.update(timed(prepared_call(stage, kw), args.budget, peak_fn=f))
-                row["call_ms_prepared"], row["call_ms"] = row["call_ms"], bench._timed(f, "cuda", args.budget,
-                                                                                       False)["ms"]
-                row["gpu_ms_of"] = "the call validated once (common.contract.prepare, then extrun.run)"
-                with_ratio(row, fk)
-                if vfirst and row.get("vs_flashkda_of") == "gpu_ms":
-                    row["target"] = TARGET_VS_FLASHKDA
-                    row["meets_target"] = row["vs_flashkda"] <= TARGET_VS_FLASHKDA
-            except Exception as e:  # noqa: BLE001
-                row["error"] = str(e).splitlines()[0][:300]
-            add(row)
-            torch.cuda.empty_cache()
+                    o, S = f()
+                    row.update(errors(o, S if vfirst else S.transpose(-1, -2), ref))
+                    del o, S
+                    # GPU time: the call validated once (its CPU copy of cu_seqlens cannot be captured in a
+                    # graph), as FlashKDA's call is converted once; call time: the whole forward, as a user
+                    # calls it
+                    with pinned:
+                        call = prepared_call(stage, kw)
+                    row.update(timed(call, args.budget, peak_fn=f))
+                    row["call_ms_prepared"], row["call_ms"] = row["call_ms"], bench._timed(f, "cuda", args.budget,
+                                                                                           False)["ms"]
+                    row["gpu_ms_of"] = "the call validated once (common.contract.prepare, then extrun.run)"
+                    with_ratio(row, fk)
+                    if vfirst and not pin and row.get("vs_flashkda_of") == "gpu_ms":
+                        row["target"] = TARGET_VS_FLASHKDA
+                        row["meets_target"] = row["vs_flashkda"] <= TARGET_VS_FLASHKDA
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = str(e).splitlines()[0][:300]
+                add(row)
+                torch.cuda.empty_cache()
 
         # the old way: one call per sequence of the previous stage, in a Python loop
         if i == 0 or args.loop_all:

@@ -16,9 +16,9 @@ import torch
 from common import checks
 from common import notebook as nb  # the notebook's paths check holds every path to the same promises
 from common.metrics import rel_err
-from common.stages import load_stage, path_stages, previous
+from common.stages import load_stage, path_stages, previous, selected_ids
 
-PATH_STAGES = path_stages()  # 08, 09, 10: every stage with PATHS is tested here
+PATH_STAGES = selected_ids(path_stages())  # 08-12: every stage with PATHS (KDALAB_STAGES=12: one of them)
 FUSED_STAGES = [s for s in PATH_STAGES if "fused8" in load_stage(s).PATHS]
 PATH_CASES = [
     checks.Case(2, 257, 3, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=81),          # tail chunk, h0
@@ -194,6 +194,30 @@ def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms(sid):
             assert kernels == nb.FUSED_KERNELS and launched[0]["grid"] == H * KV // (16 * ncw), (H, KV, launched)
         else:
             assert kernels == nb.SPLIT_KERNELS, (H, KV, launched)
+
+
+@gpu
+@pytest.mark.parametrize("sid", [s for s in FUSED_STAGES if load_stage(s).SPEC.varlen])
+def test_rule_weighs_packed_sequences_by_length(sid):
+    """Packed sequences: the rule counts the (sequence, head) pairs as if the tokens were
+    repacked at the longest sequence's length (H * T / (16 NT)). The same N * H (enough for
+    fused8 at equal lengths) takes the split path when one sequence holds most of the tokens,
+    since each fused block walks its own sequence; both calls within tolerance of fp64."""
+    from common.metrics import tolerance
+
+    S = load_stage(sid)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    H, N = 4, -(-2 * sms // 3 // 4) + 1  # N * H pairs: fused8 when the lengths are equal
+    for lengths, fused in (((48,) * N, True), ((16 * 64,) + (16,) * (N - 1), False)):
+        case = checks.VarlenCase(lengths, H=H, K=128, V=128, seed=7)
+        assert (3 * H * case.T // (16 * -(-max(lengths) // 16)) >= 2 * sms) == fused  # the sizes mean what they say
+        inp = checks.varlen_inputs(case, "cuda", torch.bfloat16)
+        out = checks.run_varlen(S.forward, inp, "cuda")
+        ref = checks.run_varlen(checks.kda_reference_varlen, inp, "cuda", dtype=torch.float64)
+        kernels = {x["kernel"] for x in S.build().launches()}
+        assert kernels == (nb.FUSED_KERNELS if fused else nb.SPLIT_KERNELS), (lengths, kernels)
+        errs = {n: rel_err(out[n], ref[n]) for n in ("o", "S")}
+        assert max(errs.values()) <= tolerance("bf16"), errs
 
 
 @gpu
