@@ -197,30 +197,6 @@ def test_rule_takes_the_fused_kernel_where_its_blocks_fill_the_sms(sid):
 
 
 @gpu
-@pytest.mark.parametrize("sid", [s for s in FUSED_STAGES if load_stage(s).SPEC.varlen])
-def test_rule_weighs_packed_sequences_by_length(sid):
-    """Packed sequences: the rule counts the (sequence, head) pairs as if the tokens were
-    repacked at the longest sequence's length (H * T / (16 NT)). The same N * H (enough for
-    fused8 at equal lengths) takes the split path when one sequence holds most of the tokens,
-    since each fused block walks its own sequence; both calls within tolerance of fp64."""
-    from common.metrics import tolerance
-
-    S = load_stage(sid)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    H, N = 4, -(-2 * sms // 3 // 4) + 1  # N * H pairs: fused8 when the lengths are equal
-    for lengths, fused in (((48,) * N, True), ((16 * 64,) + (16,) * (N - 1), False)):
-        case = checks.VarlenCase(lengths, H=H, K=128, V=128, seed=7)
-        assert (3 * H * case.T // (16 * -(-max(lengths) // 16)) >= 2 * sms) == fused  # the sizes mean what they say
-        inp = checks.varlen_inputs(case, "cuda", torch.bfloat16)
-        out = checks.run_varlen(S.forward, inp, "cuda")
-        ref = checks.run_varlen(checks.kda_reference_varlen, inp, "cuda", dtype=torch.float64)
-        kernels = {x["kernel"] for x in S.build().launches()}
-        assert kernels == (nb.FUSED_KERNELS if fused else nb.SPLIT_KERNELS), (lengths, kernels)
-        errs = {n: rel_err(out[n], ref[n]) for n in ("o", "S")}
-        assert max(errs.values()) <= tolerance("bf16"), errs
-
-
-@gpu
 def test_path_rows_time_every_path_and_pass_the_notebook_checks(sid):
     """common.bench.path_rows (scripts/bench_paths.py and the notebook's live
     table): the previous stage, the rule and every path that exists for V, each

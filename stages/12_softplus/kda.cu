@@ -39,8 +39,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>  // std::min (the rule)
-
 #include "kda.h"
 #include "kda_cuda_check.h"
 
@@ -124,14 +122,6 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const long long bhs = (long long)p.N * p.H;  // (sequence, head) pairs: a block each (fused8)
-  // A fused block walks its own sequence, so among packed sequences of unequal length the
-  // longest sets the fused kernel's time, and its chain runs at the fused kernel's slower
-  // pace per chunk. The fused conditions below therefore count the pairs as if their tokens
-  // were repacked at the longest sequence's length, H * T / (16 NT): N * H for equal
-  // lengths, about H when one sequence holds most of the tokens (then the split path,
-  // whose K2 runs the long chain faster). Measured: results/h200/stage11/varlen_*.json.
-  const long long full = p.cu_seqlens == nullptr ? bhs
-                         : std::min(bhs, (long long)p.H * p.T / (16LL * p.NT));
   // At V = 128 the fused kernel where its blocks fill the SMs (a "head" below is
   // a (sequence, head) pair, N*H of them): eight compute warps (one block per
   // head) once the heads fill about two thirds of the SMs, four (two blocks per
@@ -149,11 +139,11 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   // too, though their blocks do not cover the SMs (10.02 against 12.01 ms at
   // B1 T131072 H32, 0.750 against 0.776 ms at B1 T8192 H32, 0.215 against
   // 0.223 ms at B1 T4096 H16): so at V = 128 the split path always takes two.
-  if (p.V == 128 && 3 * full >= 2LL * sms) {
+  if (p.V == 128 && 3 * bhs >= 2LL * sms) {
     *plan = KdaPlan{true, 8};
     return cudaSuccess;
   }
-  if (p.V == 128 && 3 * full >= (long long)sms && 2 * full <= (long long)sms) {
+  if (p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
     *plan = KdaPlan{true, 4};
     return cudaSuccess;
   }
