@@ -127,6 +127,17 @@ def tc_softplus_cases(quick: bool = False):
     return [cases[0], cases[4]] if quick else cases
 
 
+def one_wide_chunk_inputs(device="cpu") -> dict:
+    """The first softplus check case (B2 T257 H3 K128, bf16) with one wide chunk among narrow
+    ones: sequence 1, head 0, tokens 32-47 at g = 20, where a is about -130 to -170 per token,
+    so that chunk decays by 2058-2776 (past the factored products' range, and past fp32's
+    exp). Every other chunk keeps the case's gate (decays below 80). The GPU test of the
+    choice per chunk runs on it; a CPU test checks that it means what it says."""
+    inp = case_inputs(tc_softplus_cases()[0], device, torch.bfloat16)
+    inp["g"][1, 32:48, 0] = 20.0
+    return inp
+
+
 def fla_cases():
     """Shapes on which the tensor-core stages are compared with FLA's chunk_kda
     (safe gate, lower_bound -5): K = 128 and 64, a tail chunk, h0 present."""

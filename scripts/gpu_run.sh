@@ -5,7 +5,8 @@
 # Records name the commit from KDALAB_COMMIT when set (common.results.metadata): set it in the device command
 # (KDALAB_COMMIT=<hash, here> bash scripts/gpu_run.sh ...), since the device copy's git may name an older commit.
 # FLA's autotune results (FLA_CACHE_RESULTS=1, its default) land in TRITON_CACHE_DIR: to skip the autotune in a
-# later call (about 100 s per head count), tar the *.autotune.json files there to $OUT and carry them back.
+# later call (about 100 s per head count), tar the *.autotune.json files there to $OUT and carry them back as
+# .tune/tune.tgz (git-ignored; carry ".tune"): this script then unpacks it into TRITON_CACHE_DIR first.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export OUT=${OUT:-/tmp/kdalab-out}
@@ -21,6 +22,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   fi
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
+if [ -f .tune/tune.tgz ] && [ -z "${TRITON_CACHE_DIR:-}" ]; then
+  export TRITON_CACHE_DIR=/tmp/tcache
+  mkdir -p "$TRITON_CACHE_DIR" && tar xzf .tune/tune.tgz -C "$TRITON_CACHE_DIR"
+fi
 if [ "${KDALAB_KEEP_BUILDS:-0}" = 1 ]; then
   # each call re-sends the tree with fresh mtimes, which would rebuild every stage: date the sources back so
   # that ninja keeps the builds of the last call (only valid when no source changed between the calls)

@@ -92,8 +92,7 @@ def test_pairwise_products_on_the_bounded_gate(sid, case):
 
 @pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "wide_chunks")])
 def test_pairwise_only_where_a_chunk_needs_it(sid):
-    """The softplus gate with one wide chunk (sequence 1, head 0, tokens 32-47 at a of about
-    -130 to -170 per token: the chunk decays by 2058-2776) among narrow ones: the default (pairwise in that chunk, factored in the
+    """The softplus gate with one wide chunk among narrow ones (checks.one_wide_chunk_inputs): the default (pairwise in that chunk, factored in the
     rest) and the pairwise products pinned in every chunk are both finite and within the
     bf16 tolerance of fp64 (the factored products in the wide chunk would overflow), and
     not bitwise equal (the narrow chunks took the factored products)."""
@@ -101,8 +100,7 @@ def test_pairwise_only_where_a_chunk_needs_it(sid):
     from common.reference import kda_reference, log_decay
 
     stage = load_stage(sid)
-    inp = checks.case_inputs(checks.tc_softplus_cases()[0], "cpu", torch.bfloat16)
-    inp["g"][1, 32:48, 0] = 20.0
+    inp = checks.one_wide_chunk_inputs()  # its setup is held on the CPU (test_pairwise_scheme.py)
     wide, total = stage.wide_chunks(log_decay(*(inp[n].double() for n in ("g", "A_log", "dt_bias"))))
     assert wide == 1 and total > 1, (wide, total)
     ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)

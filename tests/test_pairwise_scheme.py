@@ -125,3 +125,24 @@ def test_wide_chunks_counts_the_chunks_past_the_factored_range():
     packed[0, 15, 0, 0] = -0.1
     packed[0, 5, 1, 7] = -80.0                                  # first sequence, head 1: 80.9
     assert stage.wide_chunks(packed, cu_seqlens=torch.tensor([0, 10, 40])) == (1, 9)
+
+
+def test_the_one_wide_chunk_inputs_have_one_wide_chunk():
+    """The GPU test of the choice per chunk (test_pairwise_only_where_a_chunk_needs_it) runs
+    on checks.one_wide_chunk_inputs: exactly one chunk past the factored range, decaying by
+    more than fp32's exp reaches (so the factored products would overflow there), every
+    other chunk well inside the range (so the choice has narrow chunks to factor)."""
+    from common import checks
+    from common.reference import log_decay
+    from common.stages import load_stage
+
+    stage = load_stage("12")
+    inp = checks.one_wide_chunk_inputs()
+    a = log_decay(*(inp[n].double() for n in ("g", "A_log", "dt_bias")))
+    wide, total = stage.wide_chunks(a)
+    assert (wide, total) == (1, 2 * 3 * 17), (wide, total)
+    decay = -a[1, 32:48, 0].sum(0)  # [K]: that chunk's decay per key dimension
+    assert decay.min() > 88.7  # exp(88.7) > fp32's largest
+    a_rest = a.clone()
+    a_rest[1, 32:48, 0] = 0
+    assert stage.wide_chunks(a_rest) == (0, total)
