@@ -289,10 +289,12 @@ def main(argv=None) -> int:
                 row.update(stage=sname, state_v_first=vfirst, path=pin or "rule")
                 try:
                     kw = inp if vfirst else kfirst(inp)
-                    pinned = stage.path(pin) if pin else contextlib.nullcontext()
 
-                    def f(kw=kw, pin=pin):
-                        with torch.no_grad(), (stage.path(pin) if pin else contextlib.nullcontext()):
+                    def pinned(stage=stage, pin=pin):  # a fresh context each time (one use each)
+                        return stage.path(pin) if pin else contextlib.nullcontext()
+
+                    def f(kw=kw, stage=stage, pinned=pinned):
+                        with torch.no_grad(), pinned():
                             return stage.forward(**kw)
 
                     o, S = f()
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
                     # GPU time: the call validated once (its CPU copy of cu_seqlens cannot be captured in a
                     # graph), as FlashKDA's call is converted once; call time: the whole forward, as a user
                     # calls it
-                    with pinned:
+                    with pinned():
                         call = prepared_call(stage, kw)
                     row.update(timed(call, args.budget, peak_fn=f))
                     row["call_ms_prepared"], row["call_ms"] = row["call_ms"], bench._timed(f, "cuda", args.budget,

@@ -4,7 +4,6 @@ reference and the previous stage, forward and all gradients, on shapes with
 K != V, T not a multiple of the chunk, B*H above the SM count, h0 absent;
 outputs poisoned; two forward runs bitwise identical."""
 
-
 import pytest
 import torch
 
@@ -92,8 +91,9 @@ def test_pairwise_products_on_the_bounded_gate(sid, case):
 
 @pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "wide_chunks")])
 def test_pairwise_only_where_a_chunk_needs_it(sid):
-    """The softplus gate with one wide chunk among narrow ones (checks.one_wide_chunk_inputs): the default (pairwise in that chunk, factored in the
-    rest) and the pairwise products pinned in every chunk are both finite and within the
+    """The softplus gate with one wide chunk among narrow ones (checks.one_wide_chunk_inputs):
+    the default (pairwise in that chunk, factored in the rest) and the pairwise products
+    pinned in every chunk are both finite and within the
     bf16 tolerance of fp64 (the factored products in the wide chunk would overflow), and
     not bitwise equal (the narrow chunks took the factored products)."""
     from common.metrics import tolerance
