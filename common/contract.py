@@ -129,10 +129,12 @@ class Call:
     K: int
     V: int
     # packed sequences (a varlen stage): cu_seqlens int32 [N + 1] on the device, N sequences, the
-    # longest max_seqlen tokens; without them N = B (sequence i is batch row i) and max_seqlen = T
+    # longest max_seqlen tokens, seq_lens their lengths as the host knows them (from the CPU copy that
+    # validated them); without them N = B (sequence i is batch row i), max_seqlen = T, seq_lens None
     cu_seqlens: torch.Tensor | None = None
     N: int | None = None
     max_seqlen: int | None = None
+    seq_lens: tuple | None = None
     state_v_first: bool = False  # initial_state and final_state [N, H, V, K] instead of [N, H, K, V]
 
     def __post_init__(self):
@@ -227,10 +229,10 @@ def check_gate(gate, lower_bound, spec: StageSpec | None = None) -> tuple[str, i
     return gate, GATE_ID[gate], lb
 
 
-def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, int, int]:
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, int, int, tuple]:
     """Validate packed sequences (FLA's convention) on a CPU copy: a 1-D int32 or int64
     tensor [N + 1] on ``device`` with cu[0] == 0, non-decreasing, cu[-1] == T, and B == 1.
-    Returns (cu_seqlens as int32 on the device, N, the longest sequence's length)."""
+    Returns (cu_seqlens as int32 on the device, N, the longest sequence's length, the N lengths)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -251,7 +253,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, 
         raise ValueError(f"cu_seqlens must be non-decreasing, got cu[{i}] = {int(cu[i])} > cu[{i + 1}] = {int(cu[i + 1])}")
     if int(cu[-1]) != T:
         raise ValueError(f"cu_seqlens must end at T = {T} (q.shape[1]), got {int(cu[-1])}")
-    return cu_seqlens.to(torch.int32).contiguous(), cu.numel() - 1, int(lengths.max())
+    return cu_seqlens.to(torch.int32).contiguous(), cu.numel() - 1, int(lengths.max()), tuple(lengths.tolist())
 
 
 def prepare(
@@ -310,9 +312,9 @@ def prepare(
     _check_shape("beta", beta, (B, T, H), "[B, T, H]")
     _check_shape("A_log", A_log, (H,), "[H]")
     _check_shape("dt_bias", dt_bias, (H, K), "[H, K]")
-    N, max_seqlen = B, T
+    N, max_seqlen, seq_lens = B, T, None
     if cu_seqlens is not None:
-        cu_seqlens, N, max_seqlen = check_cu_seqlens(cu_seqlens, B, T, dev)
+        cu_seqlens, N, max_seqlen, seq_lens = check_cu_seqlens(cu_seqlens, B, T, dev)
     if initial_state is not None:
         n = "N" if cu_seqlens is not None else "B"
         want, labels = ((N, H, V, K), f"[{n}, H, V, K] (state_v_first)") if state_v_first else \
@@ -372,5 +374,6 @@ def prepare(
         initial_state=None if initial_state is None else conv(initial_state, torch.float32),
         scale=scale, gate=gate, gate_id=gate_id, lower_bound=lb, chunk_size=chunk_size,
         output_final_state=output_final_state, out_dtype=v.dtype,
-        B=B, T=T, H=H, K=K, V=V, cu_seqlens=cu_seqlens, N=N, max_seqlen=max_seqlen, state_v_first=state_v_first,
+        B=B, T=T, H=H, K=K, V=V, cu_seqlens=cu_seqlens, N=N, max_seqlen=max_seqlen, seq_lens=seq_lens,
+        state_v_first=state_v_first,
     )

@@ -12,7 +12,7 @@ in preallocated (so checks can poison them):
 o is [B, T, H, V] in the stage's compute dtype (float32 for 01-04, bfloat16
 for the tensor-core stages), ht is float32 [B, H, K, V] (a varlen stage's call
 with packed sequences or the V-first state: [N, H, K, V] or [N, H, V, K], and
-fwd takes cu_seqlens, max_seqlen, state_v_first by name); every gradient is
+fwd takes cu_seqlens, max_seqlen, seq_lens, state_v_first by name); every gradient is
 float32 in the shape of its input. ``prof`` is the profile buffer of the -DKDA_PROFILE
 build (None otherwise): float64 seconds [1, 20] on the CPU, int64 cycles
 [slots, 16] on the GPU (see common/include/kda_profile.cuh).
@@ -35,6 +35,8 @@ def _layout_args(c: Call) -> dict:
     kw = {}
     if c.cu_seqlens is not None:
         kw.update(cu_seqlens=c.cu_seqlens, max_seqlen=c.max_seqlen)
+        if c.seq_lens is not None:  # the lengths on the host: the varlen stages' hybrid plans with them
+            kw["seq_lens"] = list(c.seq_lens)
     if c.state_v_first:
         kw["state_v_first"] = True
     return kw

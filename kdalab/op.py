@@ -22,11 +22,13 @@ What runs here (anything else raises one clear error before any kernel; FLA's
 - ``initial_state`` fp32 [N, H, K, V] ([N, H, V, K] with ``state_v_first``,
   read and written in place of a transpose), ``output_final_state``;
 - ``cu_seqlens`` (int32 or int64, B = 1) in one launch. Its contents are checked
-  on the host (0 first, non-decreasing, T last) and give the longest sequence,
-  which sizes the launch: from ``cu_seqlens_cpu`` when given, else from one
-  ``.cpu()`` copy (a device sync). While torch.compile traces, and while a CUDA
-  graph is captured without ``cu_seqlens_cpu``, they are not read: unchecked,
-  and T bounds the longest sequence (a larger launch whose extra blocks exit);
+  on the host (0 first, non-decreasing, T last) and give the lengths, which size
+  the launch (the longest) and let the kernel run a sequence much longer than
+  the others on its own path beside them (the stages' hybrid): from
+  ``cu_seqlens_cpu`` when given, else from one ``.cpu()`` copy (a device sync).
+  While torch.compile traces, and while a CUDA graph is captured without
+  ``cu_seqlens_cpu``, they are not read: unchecked, T bounds the longest sequence
+  (a larger launch whose extra blocks exit), and there is no hybrid;
 - ``disable_recompute`` is accepted and does nothing: it only changes what FLA
   keeps for its backward, and this op has none. ``max_num_seqs`` is ignored
   without ``use_graph``, as FLA ignores it.
@@ -189,7 +191,8 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
         raise TypeError(f"kdalab.chunk_kda: scale must be a finite float or None, got {scale!r}")
 
     # ---- packed sequences and states ----
-    N, max_seqlen = B, 0  # the longest packed sequence (0: T, the kernel's bound when it is not known)
+    N, max_seqlen, seq_lens = B, 0, []  # the longest packed sequence (0: T, the kernel's bound when it is not
+    # known) and the lengths (empty: not known)
     if cu_seqlens_cpu is not None and cu_seqlens is None:
         raise ValueError("kdalab.chunk_kda: cu_seqlens_cpu is given without cu_seqlens")
     if cu_seqlens is not None:
@@ -211,7 +214,7 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
             if cu[0] != 0 or cu[-1] != T or min(lengths) < 0:
                 raise ValueError(f"kdalab.chunk_kda: cu_seqlens must start at 0, never decrease and end at "
                                  f"T = {T}, got {cu if len(cu) <= 16 else cu[:8] + ['...'] + cu[-4:]}")
-            max_seqlen = max(lengths)
+            max_seqlen, seq_lens = max(lengths), lengths
     state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
     if initial_state is not None:
         if initial_state.dtype != torch.float32:
@@ -232,7 +235,7 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
                 l2norm=bool(use_qk_l2norm_in_kernel),
                 beta_mode=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
                 state_v_first=bool(state_v_first), output_final_state=bool(output_final_state),
-                max_seqlen=int(max_seqlen), A_log=A_log, dt_bias=dt_bias)
+                max_seqlen=int(max_seqlen), seq_lens=[int(n) for n in seq_lens], A_log=A_log, dt_bias=dt_bias)
 
 
 def supported(*args, **kwargs) -> tuple[bool, str | None]:
@@ -264,12 +267,13 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
                   cu_seqlens: torch.Tensor | None, scale: float, gate_id: int, lower_bound: float, l2norm: bool,
                   beta_mode: int, state_v_first: bool, output_final_state: bool,
-                  max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  max_seqlen: int, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel: q, k, v, beta bf16 [B, T, H, *]; g bf16 raw (gate_id 0 softplus,
     1 bounded) or fp32 log decay (gate_id 3; lower_bound 0: no bound);
     A_log fp32 [H] and dt_bias fp32 [H, K] or None (0);
     initial_state fp32 or None; cu_seqlens int32 [N + 1] or None; max_seqlen the
-    longest of its sequences or a bound of it in [1, T] (a host int; 0: T).
+    longest of its sequences or a bound of it in [1, T] (a host int; 0: T); seq_lens the
+    lengths of its sequences as the host knows them, or [] (not known).
     Returns o bf16 [B, T, H, V] and the final state
     (an empty [0] tensor unless output_final_state)."""
     o, ht = _outputs(q, v, cu_seqlens, state_v_first)  # the kernel writes every element of both
@@ -282,13 +286,13 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     ext.fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound, CHUNK, o, ht,
                      None,  # prof
                      -1, 0, 0,  # fused, ncw, segment_chunks: the stage's own rule
-                     cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode)
+                     cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode, seq_lens)
     return o, ht if output_final_state else ht.new_empty(0)
 
 
 @chunk_kda_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, gate_id, lower_bound, l2norm,
-      beta_mode, state_v_first, output_final_state, max_seqlen):
+      beta_mode, state_v_first, output_final_state, max_seqlen, seq_lens):
     o, ht = _outputs(q, v, cu_seqlens, state_v_first)
     return o, ht if output_final_state else ht.new_empty(0)
 
@@ -345,5 +349,5 @@ def chunk_kda(
         None if initial_state is None else initial_state.contiguous(),
         None if cu_seqlens is None else cu_seqlens.to(torch.int32),
         p["scale"], p["gate_id"], p["lower_bound"], p["l2norm"], p["beta_mode"], p["state_v_first"],
-        p["output_final_state"], p["max_seqlen"])
+        p["output_final_state"], p["max_seqlen"], p["seq_lens"])
     return o.to(v.dtype), (ht if p["output_final_state"] else None)

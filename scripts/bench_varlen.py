@@ -1,15 +1,18 @@
 """Packed sequences on the H200, in one call: stage 11 (or --stage 11,12) with cu_seqlens beside
 FlashKDA's varlen call and FLA's chunk_kda varlen (--fla), at FlashKDA's varlen
-shape (lengths 1300, 547, 2048, 963, 271, 3063 at H = 96) and two more mixes (a
+shape (lengths 1300, 547, 2048, 963, 271, 3063 at H = 96) and three more mixes (a
 serving batch of 64 sequences of 64-2048 tokens at H = 32; 48 short sequences
-and one of 8192 tokens, last, at H = 32), K = V = 128, bounded gate (lower bound
--5), an initial state per sequence. Also the old way at the first mix: stage 10
-called once per sequence in a Python loop (the cost the idea removes). With
---paths, each stage's V-first call again on each pinned path (what the rule's
-choice is worth at each mix).
+and one of 8192 tokens, last, at H = 32; 60 sequences of 128-1024 tokens and four
+of 4096 among them at H = 32), K = V = 128, bounded gate (lower bound -5), an
+initial state per sequence. Also the old way at the first mix: stage 10 called
+once per sequence in a Python loop (the cost the idea removes). With --paths,
+each stage's V-first call again on each pinned path (what the rule's choice is
+worth at each mix): a path's name, or long_from=N (the rule's path with the
+hybrid's threshold pinned to N tokens; 0: no hybrid).
 
     python scripts/bench_varlen.py [--fla] [--out $OUT/varlen.json] [--mixes flashkda,serving64,long+short]
-                                   [--budget 1.0] [--no-ref] [--loop-all] [--stage 11,12] [--paths split2,fused8]
+                                   [--budget 1.0] [--no-ref] [--loop-all] [--stage 11,12]
+                                   [--paths split2,fused8,long_from=0,long_from=2048]
 
 Per row (results/h200 schema, common.results.save): mix, lengths, N, T, H, K, V,
 impl (the stage's name with its state layout, "FlashKDA", "FLA chunk_kda", or
@@ -54,12 +57,22 @@ from common.checks import VarlenCase, random_lengths  # noqa: E402
 from common.fla_ref import FLASHKDA_NAME, fla_available, flashkda_available, flashkda_varlen_call  # noqa: E402
 from common.results import metadata, save  # noqa: E402
 
+def _few_long() -> tuple:
+    """60 sequences of 128-1024 tokens with four of 4096 among them (after the 5th, 20th, 35th
+    and 50th): long prompts scattered through a serving batch."""
+    short = list(random_lengths(60, 128, 1024, seed=3))
+    for at in (50, 35, 20, 5):
+        short.insert(at, 4096)
+    return tuple(short)
+
+
 # The mixes timed, in order: FlashKDA's varlen test shape first (the old way is timed there).
 MIXES = {
     "flashkda": VarlenCase(checks.FLASHKDA_VARLEN_LENGTHS, H=96, K=128, V=128, seed=0, name="flashkda"),
     "serving64": VarlenCase(random_lengths(64, 64, 2048, seed=1), H=32, K=128, V=128, seed=1, name="serving64"),
     "long+short": VarlenCase(random_lengths(48, 16, 512, seed=2) + (8192,), H=32, K=128, V=128, seed=2,
                              name="long+short"),
+    "few-long": VarlenCase(_few_long(), H=32, K=128, V=128, seed=3, name="few-long"),
 }
 MIXES = {k: VarlenCase(c.lengths, H=c.H, K=c.K, V=c.V, h0=True, state_v_first=True, lower_bound=-5.0,
                        cu_dtype="int64", seed=c.seed, name=c.name) for k, c in MIXES.items()}
@@ -184,7 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-ref", action="store_true", help="skip the fp64 reference (errors against FlashKDA only)")
     p.add_argument("--loop-all", action="store_true", help="the per-sequence loop at every mix, not only the first")
     p.add_argument("--stage", default="11", help="the packed-sequence stages, comma-separated (default 11)")
-    p.add_argument("--paths", default="", help="also each of these pinned paths (e.g. split2,fused8), V-first")
+    p.add_argument("--paths", default="", help="also each of these pinned paths (e.g. split2,fused8) or hybrid "
+                   "thresholds (long_from=N tokens, 0: none), V-first")
     p.add_argument("--old", default="10", help="the stage called once per sequence (default 10)")
     args = p.parse_args(argv)
     names = [m.strip() for m in args.mixes.split(",") if m.strip()]
@@ -282,7 +296,8 @@ def main(argv=None) -> int:
         # V-first call on each pinned path (--paths), which shows what the rule's choice is worth
         for stage in stages:
             sname = stage.SPEC.name
-            runs = [(True, None), (False, None)] + [(True, pn) for pn in pins if pn in getattr(stage, "PATHS", {})]
+            runs = [(True, None), (False, None)] + [(True, pn) for pn in pins
+                                                    if pn in getattr(stage, "PATHS", {}) or pn.startswith("long_from=")]
             for vfirst, pin in runs:
                 impl = f"{sname} ({'V-first' if vfirst else 'K-first'} state)" + (f" {pin}" if pin else "")
                 row = base(mix, case, impl)
@@ -291,6 +306,8 @@ def main(argv=None) -> int:
                     kw = inp if vfirst else kfirst(inp)
 
                     def pinned(stage=stage, pin=pin):  # a fresh context each time (one use each)
+                        if pin and pin.startswith("long_from="):
+                            return stage.path(long_from=int(pin.split("=", 1)[1]))
                         return stage.path(pin) if pin else contextlib.nullcontext()
 
                     def f(kw=kw, stage=stage, pinned=pinned):

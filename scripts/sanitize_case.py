@@ -5,8 +5,9 @@ for compute-sanitizer:
     compute-sanitizer --tool racecheck python scripts/sanitize_case.py 06 no_load_warp
 
 A stage with several paths (the PATHS of stages 08 and 09) runs each of them, pinned, as well, at K = V = 64 and 128,
-its split path also in segments of 3 chunks. Stage 12 runs its extreme softplus cases (pairwise products in
-the wide chunks) on every path too.
+its split path also in segments of 3 chunks. The packed-sequence stages (11, 12) run ragged packed calls on every
+path and the hybrid (long sequences split beside the fused kernel). Stage 12 runs its extreme softplus cases
+(pairwise products in the wide chunks) on every path too.
 """
 
 import sys
@@ -57,6 +58,12 @@ if spec.varlen:  # packed sequences (stage 11 on): every path, ragged
                 with stage.path(name, segment_chunks=seg):
                     got = checks.run_varlen(stage.forward, inp, "cuda")
                 res.update({f"{k} (packed {case.lengths}, {name or 'rule'}, seg {seg})": v for k, v in got.items()})
+    # the hybrid: runs of long sequences on the split path (segments of 3 chunks) beside the fused kernel
+    for case in (checks.VarlenCase((40, 300, 17, 0, 333, 25, 260, 9), H=3, K=128, V=128, seed=91),
+                 checks.VarlenCase((250, 210, 5, 61, 400), H=2, K=64, V=64, h0=False, state_v_first=True, seed=92)):
+        with stage.path("fused8" if case.V == 128 else "fused4", segment_chunks=3, long_from=200):
+            got = checks.run_varlen(stage.forward, checks.varlen_inputs(case, device="cuda"), "cuda")
+        res.update({f"{k} (hybrid {case.lengths})": v for k, v in got.items()})
 if hasattr(stage, "pairwise"):  # stage 12: the pairwise products, at the gate's extremes (wide and narrow
     # chunks side by side: each chunk picks its products) on every path, and pinned in every chunk
     for case in [c for c in checks.tc_softplus_cases() if c.extreme]:

@@ -55,12 +55,13 @@ class FakeExt:
 
     def fwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, o, ht, prof,
             fused=-1, ncw=0, segment_chunks=0, cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True,
-            beta_mode=1):
+            beta_mode=1, seq_lens=(), long_from=-1):
         self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, scale=scale,
                                gate_id=gate_id, lower_bound=lower_bound, chunk_size=chunk_size, o=o, ht=ht,
                                prof=prof, fused=fused, ncw=ncw, segment_chunks=segment_chunks,
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first,
-                               l2norm=l2norm, beta_mode=beta_mode, stage=self.stage))
+                               l2norm=l2norm, beta_mode=beta_mode, seq_lens=list(seq_lens), long_from=long_from,
+                               stage=self.stage))
         o.copy_(v.float() * scale + q.float() + beta.float()[..., None])
         ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         ht.add_(lower_bound)
@@ -404,7 +405,8 @@ def _op_args(T=24, H=2, D=64, N=None, final=True, v_first=False):
     kw = layer_call(T=T, H=H, D=D, N=N)
     return (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"].view(H, D),
             kw["initial_state"], None if N is None else kw["cu_seqlens"].int(), D ** -0.5, 1, -5.0, True, 1,
-            v_first, final, 0 if N is None else T)
+            v_first, final, 0 if N is None else T,
+            [] if N is None else (kw["cu_seqlens"][1:] - kw["cu_seqlens"][:-1]).tolist())
 
 
 @pytest.mark.parametrize("final", [False, True])
@@ -450,12 +452,13 @@ def test_compile_fullgraph_with_packed_sequences(ext):
     h0 = torch.randn(2, 2, 64, 64)
     with torch.no_grad():
         ref, ref_state = layer(x, h0, cu_seqlens=cu)
-        assert ext.last["max_seqlen"] == 21
+        assert ext.last["max_seqlen"] == 21 and ext.last["seq_lens"] == [9, 21]
         explanation = torch._dynamo.explain(layer)(x, h0, cu_seqlens=cu)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         torch._dynamo.reset()
         y, state = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, h0, cu_seqlens=cu)
     assert ext.last["max_seqlen"] == 0 and ext.last["cu_seqlens"].tolist() == [0, 9, 30]
+    assert ext.last["seq_lens"] == []  # not read while tracing: no hybrid
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(state, ref_state)
 

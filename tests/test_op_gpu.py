@@ -181,7 +181,8 @@ def test_opcheck(N, final, gate):
     cu = kw.get("cu_seqlens")
     args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"].view(2, 64),
             kw["initial_state"], None if cu is None else cu.int(), 0.125, *gate, True, 1, True, final,
-            0 if cu is None else int((cu[1:] - cu[:-1]).max()))
+            0 if cu is None else int((cu[1:] - cu[:-1]).max()),
+            [] if cu is None else (cu[1:] - cu[:-1]).tolist())
     torch.library.opcheck(torch.ops.kdalab.chunk_kda_fwd.default, args)
 
 

@@ -8,6 +8,7 @@ the rule's choice by size; a path that does not exist for the sizes is refused
 with a named error. The GPU tests are marked gpu; the argument checks run
 anywhere."""
 
+import inspect
 from contextlib import nullcontext
 
 import pytest
@@ -41,6 +42,16 @@ def test_path_names_are_checked_before_anything_runs(sid):
     with pytest.raises(ValueError, match="segment_chunks must be a positive int"):
         with S.path("split1", segment_chunks=0):
             pass
+    if "long_from" in inspect.signature(S.path).parameters:  # the packed-sequence stages' hybrid
+        with pytest.raises(ValueError, match="long_from must be an int >= 0"):
+            with S.path(long_from=-1):
+                pass
+        with pytest.raises(ValueError, match="long_from .the hybrid. needs a fused path, got the split path 'split2'"):
+            with S.path("split2", long_from=100):
+                pass
+        with S.path("fused2", long_from=100):
+            assert S._path_args(128)["long_from"] == 100
+        assert S._path_args(128)["long_from"] == -1  # the rule's, outside the block
 
 
 def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):

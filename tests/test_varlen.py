@@ -14,7 +14,9 @@ On the GPU (marked gpu): stage 11 on every varlen case within the bf16
 tolerance, deterministic, bitwise equal to itself sequence by sequence on every
 path (the split path in short segments), its V-first state bitwise the
 transposed K-first state, and its extension's flags (l2norm, beta_mode, gate_id
-3) equal to doing the same work outside the kernel."""
+3) equal to doing the same work outside the kernel; the hybrid (stages 11 and 12:
+long sequences on the split path beside the fused kernel) bitwise each path's own
+call sequence by sequence, and taken by the rule only where one sequence is long."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from common.contract import alloc, poisoning, prepare
 from common.inputs import make_inputs
 from common.metrics import rel_err, tolerance
 from common.reference import L2_EPS, kda_recurrence, kda_reference
-from common.stages import load_stage
+from common import notebook as nb  # the paths' tolerance (FUSED_VS_PREVIOUS)
+from common.stages import load_stage, selected_ids
 
 SMALL = checks.varlen_cases(big=False)
 BF16_TOL = tolerance("bf16")
@@ -629,13 +632,16 @@ def test_bench_varlen_mixes():
     bv = _bench_script()
     mixes = list(bv.MIXES.values())
     assert list(bv.MIXES)[0] == "flashkda" and mixes[0].lengths == checks.FLASHKDA_VARLEN_LENGTHS
-    assert mixes[0].H == 96 and len(mixes) == 3
+    assert mixes[0].H == 96 and len(mixes) == 4
     assert all(c.K == c.V == 128 and c.h0 and c.state_v_first and c.cu_dtype == "int64" and c.lower_bound == -5.0
                for c in mixes)  # FlashKDA's own call: V-first states, int64 cu_seqlens
     serving = bv.MIXES["serving64"]
     assert serving.N == 64 and serving.H == 32 and all(64 <= n <= 2048 for n in serving.lengths)
     ls = bv.MIXES["long+short"]
     assert ls.H == 32 and ls.lengths[-1] == 8192 and max(ls.lengths[:-1]) <= 512 and ls.N > 32
+    few = bv.MIXES["few-long"]  # four long prompts scattered: four runs for the hybrid, none of them at the ends
+    assert few.N == 64 and [n for n, x in enumerate(few.lengths) if x == 4096] == [5, 21, 37, 53]
+    assert all(128 <= x <= 1024 for x in few.lengths if x != 4096)
     assert len({(c.H, c.K) for c in mixes}) == 2  # FLA autotunes once per (H, K): two families
     assert bv.TARGET_VS_FLASHKDA == 0.8
 
@@ -656,3 +662,89 @@ def test_bench_varlen_ratio_prefers_gpu_time():
     r = bv.with_ratio(dict(gpu_ms=None, call_ms=1.25), fk)
     assert r["vs_flashkda"] == 0.5 and r["vs_flashkda_of"] == "call_ms"
     assert "vs_flashkda" not in bv.with_ratio(dict(error="x"), fk) and "vs_flashkda" not in bv.with_ratio({}, None)
+
+
+# --- the hybrid: long sequences on the split path beside the fused kernel (stages 11 and 12) -------------------------
+
+HYBRID_FROM = 200  # the pinned threshold of the hybrid's cases, in tokens
+HYBRID_CASES = [
+    # three runs of one long sequence among short ones and an empty one, h0, K-first
+    checks.VarlenCase((40, 300, 17, 0, 333, 25, 260, 9), H=3, K=128, V=128, seed=91),
+    # a run of two long sequences first, then short ones and one more, no h0, V-first
+    checks.VarlenCase((250, 210, 5, 61, 400), H=2, K=64, V=64, h0=False, state_v_first=True, seed=92),
+]
+
+
+def runs_of(lengths, long_from) -> list[tuple[int, int]]:
+    """The runs [lo, hi) of consecutive sequences at least ``long_from`` tokens long."""
+    runs: list[tuple[int, int]] = []
+    for n, length in enumerate(lengths):
+        if length >= long_from:
+            if runs and runs[-1][1] == n:
+                runs[-1] = (runs[-1][0], n + 1)
+            else:
+                runs.append((n, n + 1))
+    return runs
+
+
+def test_runs_of_groups_consecutive_long_sequences():
+    assert runs_of(HYBRID_CASES[0].lengths, HYBRID_FROM) == [(1, 2), (4, 5), (6, 7)]
+    assert runs_of(HYBRID_CASES[1].lengths, HYBRID_FROM) == [(0, 2), (4, 5)]
+    assert runs_of((1, 2), 3) == []
+
+
+@gpu
+@pytest.mark.parametrize("case", HYBRID_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("sid", selected_ids(["11", "12"]))
+def test_the_hybrid_runs_long_sequences_split_and_the_rest_fused(sid, case):
+    """Pinned (a fused path with long_from): each sequence of at least long_from tokens gives
+    the bits of its own call on the split path, every other one the bits of its own call on
+    the fused path (outputs poisoned); each run of long sequences launches K1 + K2 per segment
+    (segments of 3 chunks, so that they cross several), and the fused kernel runs once."""
+    S = load_stage(sid)
+    fused = "fused8" if case.V == 128 else "fused4"
+    inp = checks.varlen_inputs(case, "cuda")
+    with S.path(fused, segment_chunks=3, long_from=HYBRID_FROM):
+        got = checks.run_varlen(S.forward, inp, "cuda")
+        kernels = [x["kernel"] for x in S.build().launches()]
+    with S.path(fused):
+        per_fused = checks.run_per_sequence(S.forward, inp, "cuda")
+    with S.path("split1", segment_chunks=3):
+        per_split = checks.run_per_sequence(S.forward, inp, "cuda")
+    runs = runs_of(case.lengths, HYBRID_FROM)
+    segments = sum(-(-(-(-max(case.lengths[a:b]) // 16)) // 3) for a, b in runs)
+    assert kernels == ["kda_prepare_kernel", "kda_recurrence_kernel"] * segments + ["kda_fused_kernel"], kernels
+    b = case.bounds()
+    for n, length in enumerate(case.lengths):
+        want, path = (per_split, "split") if length >= HYBRID_FROM else (per_fused, "fused")
+        assert torch.equal(got["o"][:, b[n]:b[n + 1]], want["o"][:, b[n]:b[n + 1]]), f"o of sequence {n} != its {path} call"
+        assert torch.equal(got["S"][n], want["S"][n]), f"state of sequence {n} != its {path} call"
+
+
+@gpu
+@pytest.mark.parametrize("sid", selected_ids(["11", "12"]))
+def test_the_rule_takes_the_hybrid_only_where_one_sequence_is_long(sid):
+    """The rule (binding.cpp, kda_hybrid_long_from): with the fused path's many (sequence, head)
+    pairs, a sequence of 2048+ tokens and 4x the mean runs split beside the fused kernel (and
+    agrees with the fused path within the paths' tolerance); 2047 tokens, or five runs of long
+    sequences (more than KDA_MAX_SKIP), keep the fused kernel alone."""
+    S = load_stage(sid)
+    H = 4
+    n_short = -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // (3 * H)) + 1  # fused8's pairs
+    short = checks.random_lengths(n_short, 16, 64, seed=7)
+
+    def kernels_of(lengths, **pin):
+        case = checks.VarlenCase(lengths, H=H, K=128, V=128, seed=93)
+        inp = checks.varlen_inputs(case, "cuda")
+        with S.path(**pin):
+            out = checks.run_varlen(S.forward, inp, "cuda")
+            return [x["kernel"] for x in S.build().launches()], out
+
+    ks, hybrid = kernels_of(short + (2100,))
+    assert ks[-1] == "kda_fused_kernel" and ks.count("kda_fused_kernel") == 1 and "kda_prepare_kernel" in ks, ks
+    _, fused_only = kernels_of(short + (2100,), name="fused8", long_from=0)
+    for n in ("o", "S"):
+        assert rel_err(hybrid[n], fused_only[n]) <= nb.FUSED_VS_PREVIOUS, n
+    assert kernels_of(short + (2047,))[0] == ["kda_fused_kernel"]
+    scattered = tuple(x for n in range(5) for x in (short[n], 2100)) + short[5:]
+    assert kernels_of(scattered)[0] == ["kda_fused_kernel"]

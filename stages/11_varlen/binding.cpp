@@ -3,12 +3,13 @@
 // tensor, plans the path (kda_fwd_plan), allocates the per-chunk workspace on the
 // input's device only for the split path (two segments of the longest sequence),
 // launches on the current stream (the split path's K1 on a side stream joined before
-// the call returns). No loop over sequences: one launch (or one K1 + K2 pair per
-// segment) covers all of them.
+// the call returns; the hybrid's long sequences on two side streams). No loop over
+// sequences: one launch (or one K1 + K2 pair per segment) covers all of them.
 //
 // fwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound,
 //     chunk_size, o, ht, prof?, fused=-1, ncw=0, segment_chunks=0,
-//     cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True, beta_mode=1)
+//     cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True, beta_mode=1,
+//     seq_lens=[], long_from=-1)
 // q, k, v, beta bf16 [B, T, H, *]; g bf16 (gate_id 1, the raw gate of the bounded gate)
 // or fp32 (gate_id 3, the log decay a itself, which the caller promises in
 // [lower_bound, 0]); A_log, dt_bias, h0 fp32; o bf16 [B, T, H, V] and ht fp32
@@ -27,6 +28,11 @@
 // fused, ncw and segment_chunks pin the path (fused -1: the stage's rule, kda_fwd_plan; 0
 // split, 1 fused, with ncw compute warps per block) and the split path's segment length (0:
 // kSegmentChunks): the benchmark that chose the rule and the tests of both paths pass them.
+// seq_lens: the N lengths of cu_seqlens as the host knows them (the caller's CPU copy), or
+// empty (not known: no hybrid). long_from: the hybrid's threshold in tokens where the plan
+// is fused (-1: kda_hybrid_long_from's rule, unless a path is pinned; 0: no hybrid): each run
+// of consecutive sequences at least that long (at most KDA_MAX_SKIP runs, else no hybrid)
+// runs on the split path beside the fused kernel over the others.
 #define KDA_WITH_TORCH
 #include "kda_cuda_check.h"
 
@@ -66,7 +72,7 @@ constexpr int64_t kSegmentChunks = 64;
 // per device and kept (no event is created while a CUDA graph is being captured). A wait takes
 // the event's last record at the time of the wait, so calls one after the other may reuse them.
 struct Events {
-  cudaEvent_t fork{}, k1_done[2]{}, k2_done[2]{};
+  cudaEvent_t fork{}, k1_done[2]{}, k2_done[2]{}, join{};
 };
 const Events& events_of(int device) {
   static std::mutex mu;
@@ -75,7 +81,7 @@ const Events& events_of(int device) {
   auto it = all.find(device);
   if (it == all.end()) {
     Events ev;
-    for (cudaEvent_t* e : {&ev.fork, &ev.k1_done[0], &ev.k1_done[1], &ev.k2_done[0], &ev.k2_done[1]})
+    for (cudaEvent_t* e : {&ev.fork, &ev.k1_done[0], &ev.k1_done[1], &ev.k2_done[0], &ev.k2_done[1], &ev.join})
       C10_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     it = all.emplace(device, ev).first;
   }
@@ -101,7 +107,8 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
              torch::Tensor A_log, torch::Tensor dt_bias, OptTensor h0, double scale, int64_t gate_id,
              double lower_bound, int64_t chunk_size, torch::Tensor o, torch::Tensor ht, OptTensor prof,
              int64_t fused, int64_t ncw, int64_t segment_chunks, OptTensor cu_seqlens, int64_t max_seqlen,
-             bool state_v_first, bool l2norm, int64_t beta_mode) {
+             bool state_v_first, bool l2norm, int64_t beta_mode, std::vector<int64_t> seq_lens,
+             int64_t long_from) {
   // ---- sizes and scalars ----
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
@@ -146,6 +153,23 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   TORCH_CHECK(fused != 0 || ncw <= 2, "the pinned split path has 1 or 2 compute warps, got ", ncw);
   TORCH_CHECK(segment_chunks >= 0 && segment_chunks <= INT_MAX, "segment_chunks must be >= 0 (0: the default of ",
               kSegmentChunks, "), got ", segment_chunks);
+  TORCH_CHECK(long_from >= -1 && long_from <= INT_MAX, "long_from must be -1 (the rule), 0 (no hybrid) or a "
+              "length in tokens, got ", long_from);
+  int64_t host_max = 0;  // the longest of seq_lens
+  if (!seq_lens.empty()) {
+    TORCH_CHECK(packed && (int64_t)seq_lens.size() == N, "seq_lens must be empty or the N = ", N,
+                " lengths of cu_seqlens, got ", seq_lens.size(), packed ? "" : " (no cu_seqlens)");
+    int64_t total = 0;
+    for (int64_t len : seq_lens) {
+      TORCH_CHECK(len >= 0, "seq_lens must be >= 0, got ", len);
+      total += len;
+      host_max = std::max(host_max, len);
+    }
+    TORCH_CHECK(total == T, "seq_lens must add up to T = ", T, ", got ", total);
+    TORCH_CHECK(host_max <= max_len, "seq_lens has a sequence of ", host_max, " tokens, longer than max_seqlen = ",
+                max_len);
+  }
+  TORCH_CHECK(long_from <= 0 || !seq_lens.empty(), "long_from (the hybrid) needs seq_lens, the lengths on the host");
 
   // ---- tensors ----
   check_tensor(q, "q", q, torch::kBFloat16);
@@ -210,17 +234,52 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.state_v_first = state_v_first ? 1 : 0;
   KdaPlan plan{};
   kda_check(kda_fwd_plan(p, (int)fused, (int)ncw, &plan), "kda forward plan");
+  TORCH_CHECK(long_from <= 0 || plan.fused, "long_from (the hybrid) needs the fused path, the plan is split");
+
+  // ---- the hybrid's runs of long sequences [lo, hi), each with its longest length ----
+  struct Run {
+    int64_t lo, hi, max_len;
+  };
+  std::vector<Run> runs;
+  const int64_t from = long_from >= 0 ? long_from
+                       : fused == -1 && !seq_lens.empty() ? kda_hybrid_long_from(plan, (int)N, T, (int)host_max)
+                                                          : 0;
+  if (plan.fused && from > 0) {
+    for (int64_t i = 0; i < N; ++i) {
+      if (seq_lens[i] < from) continue;
+      if (!runs.empty() && runs.back().hi == i) {
+        runs.back().hi = i + 1;
+        runs.back().max_len = std::max(runs.back().max_len, seq_lens[i]);
+      } else {
+        runs.push_back(Run{i, i + 1, seq_lens[i]});
+      }
+    }
+    if ((int64_t)runs.size() > KDA_MAX_SKIP) runs.clear();  // too scattered: the fused kernel over all
+  }
 
   // ---- workspace of the split path: one slot per chunk of a segment of the longest sequence (at
   //      most kSegmentChunks chunks) and (sequence, head), written by K1, read by K2 (see kda.h), in
   //      two buffers when there are several segments (K1 of segment i + 1 fills one while K2 of
   //      segment i reads the other); the fused path needs none ----
-  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, segment_chunks > 0 ? segment_chunks : kSegmentChunks);
+  //      (the hybrid: the same for the longest run of long sequences)
+  const int64_t seg_chunks = segment_chunks > 0 ? segment_chunks : kSegmentChunks;
+  const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, seg_chunks);
   const int64_t n_seg = (NT + NC - 1) / NC;
-  const int64_t n_buf = plan.fused ? 0 : std::min<int64_t>(n_seg, 2);
+  int64_t n_buf = plan.fused ? 0 : std::min<int64_t>(n_seg, 2), ws_pairs = N * H, ws_chunks = NC;
+  if (!runs.empty()) {
+    int64_t segs = 0;
+    ws_pairs = ws_chunks = 0;
+    for (const Run& r : runs) {
+      const int64_t nt = (r.max_len + kChunk - 1) / kChunk;
+      ws_pairs = std::max(ws_pairs, (r.hi - r.lo) * H);
+      ws_chunks = std::max(ws_chunks, std::min(nt, seg_chunks));
+      segs += (nt + seg_chunks - 1) / seg_chunks;
+    }
+    n_buf = std::min<int64_t>(segs, 2);
+  }
   torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
-  if (!plan.fused) {
-    const int64_t BH = N * H;  // (sequence, head) pairs
+  if (n_buf > 0) {
+    const int64_t BH = ws_pairs, NC = ws_chunks;  // (sequence, head) pairs and chunks of a segment
     const auto bf = q.options().dtype(torch::kBFloat16);
     const auto f32 = q.options().dtype(torch::kFloat32);
     ws_qd = torch::empty({n_buf, BH, NC, kChunk, K}, bf);
@@ -231,14 +290,14 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
     ws_el = torch::empty({n_buf, BH, NC, K}, f32);
   }
   // the workspace pointers of buffer i
-  auto use_buffer = [&](int64_t i) {
+  auto use_buffer = [&](int64_t i, KdaFwdParams& to) {
     torch::Tensor qd = ws_qd[i], w = ws_w[i], krT = ws_krT[i], Aqk = ws_Aqk[i];
-    p.qd = bptr_mut(qd);
-    p.w = bptr_mut(w);
-    p.krT = bptr_mut(krT);
-    p.Aqk = bptr_mut(Aqk);
-    p.u = ws_u[i].data_ptr<float>();
-    p.el = ws_el[i].data_ptr<float>();
+    to.qd = bptr_mut(qd);
+    to.w = bptr_mut(w);
+    to.krT = bptr_mut(krT);
+    to.Aqk = bptr_mut(Aqk);
+    to.u = ws_u[i].data_ptr<float>();
+    to.el = ws_el[i].data_ptr<float>();
   };
   p.o = bptr_mut(o);
   p.ht = ht.data_ptr<float>();
@@ -258,10 +317,61 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   (void)prof;
 #endif
   kda_launch_log().clear();
-  if (plan.fused) {  // one launch over every sequence, each block its own sequence's chunks
+  if (plan.fused && runs.empty()) {  // one launch over every sequence, each block its own sequence's chunks
     p.n0 = 0;
     p.NC = (int)NT;
     kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
+    return;
+  }
+  if (plan.fused) {
+    // The hybrid. Each run of long sequences, a view of cu_seqlens and of the states, on the split
+    // path segment by segment: K1 on side stream s1, K2 on s2, K1 one segment ahead (as below), both
+    // at high priority (their chain sets the call's time); the fused kernel over the other sequences
+    // on the caller's stream beside them, which then waits for s2's last K2.
+    const int dev = q.device().index();
+    const c10::cuda::CUDAStream s1 = c10::cuda::getStreamFromPool(true, dev);
+    const c10::cuda::CUDAStream s2 = c10::cuda::getStreamFromPool(true, dev);
+    TORCH_CHECK(s1 != s2, "the hybrid needs two side streams, the pool gave one");
+    const Events& ev = events_of(dev);
+    C10_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(s1.stream(), ev.fork, 0));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(s2.stream(), ev.fork, 0));
+    const int64_t state_elems = H * K * V;
+    int64_t seg = 0;  // segments launched so far, over all runs: the buffer is seg % 2
+    for (const Run& r : runs) {
+      KdaFwdParams pr = p;
+      pr.cu_seqlens = p.cu_seqlens + r.lo;
+      pr.N = (int)(r.hi - r.lo);
+      pr.NT = (int)((r.max_len + kChunk - 1) / kChunk);
+      pr.ht = p.ht + r.lo * state_elems;
+      const float* h0_run = p.h0 == nullptr ? nullptr : p.h0 + r.lo * state_elems;
+      KdaPlan split{};
+      kda_check(kda_fwd_plan(pr, 0, 0, &split), "kda forward plan (hybrid)");  // the split path at the rule's width
+      const int64_t nc = std::min<int64_t>(pr.NT, seg_chunks);
+      for (int64_t n0 = 0; n0 < pr.NT; n0 += nc, ++seg) {
+        const int64_t buf = seg % 2;
+        use_buffer(buf, pr);
+        pr.n0 = (int)n0;
+        pr.NC = (int)std::min<int64_t>(nc, pr.NT - n0);
+        pr.h0 = n0 == 0 ? h0_run : pr.ht;
+        if (seg >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(s1.stream(), ev.k2_done[buf], 0));
+        kda_check(kda_fwd_launch(pr, split, s1.stream(), KDA_LAUNCH_K1), "kda forward (hybrid K1)");
+        C10_CUDA_CHECK(cudaEventRecord(ev.k1_done[buf], s1.stream()));
+        C10_CUDA_CHECK(cudaStreamWaitEvent(s2.stream(), ev.k1_done[buf], 0));
+        kda_check(kda_fwd_launch(pr, split, s2.stream(), KDA_LAUNCH_K2), "kda forward (hybrid K2)");
+        C10_CUDA_CHECK(cudaEventRecord(ev.k2_done[buf], s2.stream()));
+      }
+    }
+    p.n0 = 0;
+    p.NC = (int)NT;
+    p.n_skip = (int)runs.size();
+    for (size_t i = 0; i < runs.size(); ++i) {
+      p.skip_lo[i] = (int)runs[i].lo;
+      p.skip_hi[i] = (int)runs[i].hi;
+    }
+    kda_check(kda_fwd_launch(p, plan, stream), "kda forward (hybrid, fused)");
+    C10_CUDA_CHECK(cudaEventRecord(ev.join, s2.stream()));  // s2's last K2 follows every K1 of s1
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.join, 0));
     return;
   }
   // The split path segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1 of every sequence
@@ -272,7 +382,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   //   main: K2(i) after K1(i); main waits for side's last K1, so nothing outlives the call
   const float* h0_user = p.h0;
   if (n_seg == 1) {
-    use_buffer(0);
+    use_buffer(0, p);
     p.n0 = 0;
     p.NC = (int)NT;
     kda_check(kda_fwd_launch(p, plan, stream), "kda forward");
@@ -284,7 +394,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.fork, 0));
   for (int64_t i = 0; i < n_seg; ++i) {
     const int64_t buf = i % 2;
-    use_buffer(buf);
+    use_buffer(buf, p);
     p.n0 = (int)(i * NC);
     p.NC = (int)std::min<int64_t>(NC, NT - i * NC);
     p.h0 = i == 0 ? h0_user : p.ht;
@@ -324,7 +434,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("chunk_size"), py::arg("o"), py::arg("ht"), py::arg("prof"), py::arg("fused") = -1,
         py::arg("ncw") = 0, py::arg("segment_chunks") = 0, py::arg("cu_seqlens") = py::none(),
         py::arg("max_seqlen") = 0, py::arg("state_v_first") = false, py::arg("l2norm") = true,
-        py::arg("beta_mode") = 1);
+        py::arg("beta_mode") = 1, py::arg("seq_lens") = std::vector<int64_t>{}, py::arg("long_from") = -1);
   m.def("frag_check", &kda_frag_check, "A @ bf16(X) with X turned from an MMA accumulator into a B fragment by movmatrix",
         py::arg("A"), py::arg("X"));
 }

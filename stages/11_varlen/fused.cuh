@@ -77,6 +77,8 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int bh = (int)(blockIdx.x / NS), col0 = (int)(blockIdx.x % NS) * VC;
+  for (int r = 0; r < p.n_skip; ++r)  // a long sequence of the hybrid: the split path runs it
+    if (bh / p.H >= p.skip_lo[r] && bh / p.H < p.skip_hi[r]) return;
   const SeqSpan seq = seq_span(p, bh / p.H);  // the block's sequence: its own NT_i chunks
   const int nt = chunks_of(seq);
   if (threadIdx.x == 0) {

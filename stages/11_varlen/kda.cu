@@ -17,6 +17,12 @@
 //     sequence's chunks of the segment (one that ended earlier leaves ht alone).
 //     An empty sequence writes ht = h0 (or 0). The rule counts N*H (sequence-heads).
 //
+//   * The hybrid. A fused block carries its sequence's whole chain, so one long
+//     sequence among short ones sets the fused kernel's time. Where the host knows
+//     the lengths (the binding's seq_lens), the long sequences (kda_hybrid_long_from)
+//     run on the split path on side streams, each run of consecutive ones a view of
+//     cu_seqlens (no copy), while the fused kernel skips them (KdaFwdParams::skip_*).
+//
 //   * The state's layout: state_v_first reads h0 and writes ht as [N, H, V, K] in
 //     place (only the first and last access of each block change).
 //
@@ -42,6 +48,8 @@
 //   kda.cu          the plan (kda_fwd_plan: the path rule) and the launches
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "kda.h"
 #include "kda_cuda_check.h"
@@ -115,7 +123,7 @@ cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stre
 cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan) {
   if (p.N < 1 || p.T < 1 || p.H < 1 || p.K != p.V || (p.K != 64 && p.K != 128)) return cudaErrorInvalidValue;
   const int max_ncw = p.V / kda_stage::VW;
-  if (want_fused >= 0) {  // a path asked for by name (the benchmark's and the tests' knob)
+  if (want_fused >= 0 && !(want_fused == 0 && want_ncw == 0)) {  // a path asked for by name (the tests' knob)
     const bool ok = want_fused ? (want_ncw == 1 || want_ncw == 2 || want_ncw == 4 || want_ncw == 8) && want_ncw <= max_ncw
                                : (want_ncw == 1 || want_ncw == 2);
     if (!ok) return cudaErrorInvalidValue;
@@ -138,16 +146,28 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   // path: two compute warps per K2 block as soon as those blocks still cover the
   // SMs once (stage 07 asked for twice: measured 1.2-1.3x slower at 64 and 96
   // heads). docs/PERF_NOTES.md, results/h200/stage08/.
-  if (p.V == 128 && 3 * bhs >= 2LL * sms) {
+  if (want_fused < 0 && p.V == 128 && 3 * bhs >= 2LL * sms) {
     *plan = KdaPlan{true, 8};
     return cudaSuccess;
   }
-  if (p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
+  if (want_fused < 0 && p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
     *plan = KdaPlan{true, 4};
     return cudaSuccess;
   }
   *plan = KdaPlan{false, bhs * (p.V / (2 * kda_stage::VW)) >= sms ? 2 : 1};
   return cudaSuccess;
+}
+
+// The hybrid's rule: a fused block carries its sequence's whole chain of chunks, each
+// chunk prepared in the block (about 2.5x the split path's time per chunk on the H200),
+// so one sequence much longer than the others sets the fused kernel's time alone. From
+// 2048 tokens (two segments of the split path) and 4x the mean length such a sequence
+// runs on the split path beside the fused kernel. Measured: results/h200/stage11/.
+int kda_hybrid_long_from(const KdaPlan& plan, int n_seq, long long total_tokens, int max_len) {
+  constexpr long long kMinTokens = 2048, kMeanFactor = 4;
+  if (!plan.fused || n_seq < 2) return 0;
+  const long long from = std::max(kMinTokens, kMeanFactor * ((total_tokens + n_seq - 1) / n_seq));
+  return max_len >= from ? (int)from : 0;
 }
 
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
@@ -159,6 +179,9 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
   if (!(p.gate_id == KDA_GATE_BOUNDED && p.g != nullptr) && !(p.gate_id == KDA_GATE_LOG && p.g_log != nullptr))
     return cudaErrorInvalidValue;  // the gate and its input
   if (p.beta_mode < 0 || p.beta_mode > 2) return cudaErrorInvalidValue;
+  if (p.n_skip < 0 || p.n_skip > KDA_MAX_SKIP || (p.n_skip > 0 && !plan.fused)) return cudaErrorInvalidValue;
+  for (int r = 0; r < p.n_skip; ++r)
+    if (p.skip_lo[r] < 0 || p.skip_lo[r] >= p.skip_hi[r] || p.skip_hi[r] > p.N) return cudaErrorInvalidValue;
   if (!plan.fused && (p.qd == nullptr || p.w == nullptr || p.krT == nullptr || p.Aqk == nullptr ||
                       p.u == nullptr || p.el == nullptr))
     return cudaErrorInvalidValue;  // the split path needs the workspace

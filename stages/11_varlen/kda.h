@@ -27,7 +27,9 @@
 //   split: K1 prepares every chunk in parallel into the workspace, K2 runs the
 //          recurrence from it (stage 07);
 //   fused: one kernel, the prepare warps of a block feed the chunks to its
-//          compute warps through shared memory; the workspace pointers are unused.
+//          compute warps through shared memory; the workspace pointers are unused;
+//   hybrid (packed sequences, one much longer than the rest): the fused kernel over the
+//          short sequences and the split path over the long ones, side by side.
 // No per-chunk state is written.
 #pragma once
 
@@ -61,6 +63,9 @@ enum KdaGate {
   KDA_GATE_LOG = 3,      // a = g_log as it is (fp32; the caller promises lower_bound <= a <= 0)
 };
 
+// The most runs of consecutive long sequences the hybrid splits off (one K1 + K2 chain each).
+#define KDA_MAX_SKIP 4
+
 struct KdaFwdParams {
   // ---- sizes ----
   int B, T, H, K, V;
@@ -69,6 +74,10 @@ struct KdaFwdParams {
   //      nullptr (N = B, sequence i is batch row i) ----
   const int* cu_seqlens;
   int N;
+  // ---- the fused kernel skips sequences skip_lo[r] .. skip_hi[r] - 1, r < n_skip: the hybrid runs
+  //      those (the long ones) on the split path beside it (binding.cpp) ----
+  int n_skip;
+  int skip_lo[KDA_MAX_SKIP], skip_hi[KDA_MAX_SKIP];
   // ---- the split path runs in segments of the sequence: chunks n0 .. n0 + NC - 1 per K1 + K2 pair ----
   int n0;  // the segment's first chunk
   int NC;  // chunks in the segment (the workspace holds one segment: its chunk pitch)
@@ -109,11 +118,19 @@ struct KdaPlan {
   int ncw;
 };
 
+// The hybrid: with the fused plan and the sequences' lengths known on the host, the
+// sequences of at least long_from tokens run on the split path (their chain of chunks
+// no longer carries the prepare of each chunk) beside the fused kernel over the others.
+// The rule: long_from = max(2048, 4 x the mean length), and only where some sequence is
+// that long (0: no hybrid). n_seq sequences of total_tokens tokens, the longest max_len.
+int kda_hybrid_long_from(const KdaPlan& plan, int n_seq, long long total_tokens, int max_len);
+
 // The plan for these sizes on the current device: want_fused < 0 picks by the
 // stage's rule (at V = 128: fused with 8 compute warps when 3 N*H >= 2 SMs,
 // fused with 4 when SMs <= 3 N*H and 2 N*H <= SMs; otherwise split, ncw = 2
 // when N*H*V/32 >= the number of SMs, else 1); want_fused 0/1 with want_ncw asks
-// for one path (cudaErrorInvalidValue if it does not exist). Sizes this stage
+// for one path (cudaErrorInvalidValue if it does not exist); want_fused 0 with
+// want_ncw 0 the split path at the rule's width (the hybrid's runs). Sizes this stage
 // does not support: cudaErrorInvalidValue.
 cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan);
 

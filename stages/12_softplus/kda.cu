@@ -39,6 +39,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kda.h"
 #include "kda_cuda_check.h"
 
@@ -111,7 +113,7 @@ cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stre
 cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, KdaPlan* plan) {
   if (p.N < 1 || p.T < 1 || p.H < 1 || p.K != p.V || (p.K != 64 && p.K != 128)) return cudaErrorInvalidValue;
   const int max_ncw = p.V / kda_stage::VW;
-  if (want_fused >= 0) {  // a path asked for by name (the benchmark's and the tests' knob)
+  if (want_fused >= 0 && !(want_fused == 0 && want_ncw == 0)) {  // a path asked for by name (the tests' knob)
     const bool ok = want_fused ? (want_ncw == 1 || want_ncw == 2 || want_ncw == 4 || want_ncw == 8) && want_ncw <= max_ncw
                                : (want_ncw == 1 || want_ncw == 2);
     if (!ok) return cudaErrorInvalidValue;
@@ -139,16 +141,28 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   // too, though their blocks do not cover the SMs (10.02 against 12.01 ms at
   // B1 T131072 H32, 0.750 against 0.776 ms at B1 T8192 H32, 0.215 against
   // 0.223 ms at B1 T4096 H16): so at V = 128 the split path always takes two.
-  if (p.V == 128 && 3 * bhs >= 2LL * sms) {
+  if (want_fused < 0 && p.V == 128 && 3 * bhs >= 2LL * sms) {
     *plan = KdaPlan{true, 8};
     return cudaSuccess;
   }
-  if (p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
+  if (want_fused < 0 && p.V == 128 && 3 * bhs >= (long long)sms && 2 * bhs <= (long long)sms) {
     *plan = KdaPlan{true, 4};
     return cudaSuccess;
   }
   *plan = KdaPlan{false, (p.V == 128 || bhs * (p.V / (2 * kda_stage::VW)) >= sms) ? 2 : 1};
   return cudaSuccess;
+}
+
+// The hybrid's rule: a fused block carries its sequence's whole chain of chunks, each
+// chunk prepared in the block (about 2.5x the split path's time per chunk on the H200),
+// so one sequence much longer than the others sets the fused kernel's time alone. From
+// 2048 tokens (two segments of the split path) and 4x the mean length such a sequence
+// runs on the split path beside the fused kernel. Measured: results/h200/stage11/.
+int kda_hybrid_long_from(const KdaPlan& plan, int n_seq, long long total_tokens, int max_len) {
+  constexpr long long kMinTokens = 2048, kMeanFactor = 4;
+  if (!plan.fused || n_seq < 2) return 0;
+  const long long from = std::max(kMinTokens, kMeanFactor * ((total_tokens + n_seq - 1) / n_seq));
+  return max_len >= from ? (int)from : 0;
 }
 
 cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
@@ -165,6 +179,9 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
       (!bounded && p.pairwise == KDA_PRODUCTS_FACTORED))
     return cudaErrorInvalidValue;  // the factored products in every chunk need a bounded gate
   if (p.beta_mode < 0 || p.beta_mode > 2) return cudaErrorInvalidValue;
+  if (p.n_skip < 0 || p.n_skip > KDA_MAX_SKIP || (p.n_skip > 0 && !plan.fused)) return cudaErrorInvalidValue;
+  for (int r = 0; r < p.n_skip; ++r)
+    if (p.skip_lo[r] < 0 || p.skip_lo[r] >= p.skip_hi[r] || p.skip_hi[r] > p.N) return cudaErrorInvalidValue;
   if (!plan.fused && (p.qd == nullptr || p.w == nullptr || p.krT == nullptr || p.Aqk == nullptr ||
                       p.u == nullptr || p.el == nullptr))
     return cudaErrorInvalidValue;  // the split path needs the workspace

@@ -147,7 +147,7 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
          "fused8": (1, 8)}
 
 
-_PIN: ContextVar = ContextVar("path_pin", default=(None, None))  # (path name, segment_chunks) of ``path``
+_PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
 _PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
 
 
@@ -164,21 +164,28 @@ def path_error(name, V):
 
 
 @contextmanager
-def path(name=None, segment_chunks=None):
+def path(name=None, segment_chunks=None, long_from=None):
     """Pin the kernels of the calls inside the block: "split1"/"split2" (K1 + K2
     with 1 or 2 compute warps per K2 block) or "fused1"/"fused2"/"fused4"/"fused8"
     (the fused kernel with that many compute warps per block; fused8 needs
     K = V = 128); None keeps the stage's rule. A path that does not exist for
     the sizes of a call raises at that call (path_error). ``segment_chunks`` sets
     how many chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS),
-    so that the tests see many segments in a short sequence. The pin is passed
-    to each call as an argument (nothing is stored in the extension)."""
+    so that the tests see many segments in a short sequence. ``long_from`` sets
+    the hybrid's threshold in tokens where the path is fused (None: the rule's,
+    binding.cpp; 0: no hybrid): every sequence at least that long runs on the
+    split path beside the fused kernel. The pin is passed to each call as an
+    argument (nothing is stored in the extension)."""
     if name is not None and name not in PATHS:
         raise ValueError(path_error(name, 0))
     if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
                                        or segment_chunks < 1):
         raise ValueError(f"segment_chunks must be a positive int or None, got {segment_chunks!r}")
-    token = _PIN.set((name, segment_chunks))
+    if long_from is not None and (isinstance(long_from, bool) or not isinstance(long_from, int) or long_from < 0):
+        raise ValueError(f"long_from must be an int >= 0 (0: no hybrid) or None (the rule), got {long_from!r}")
+    if long_from and name is not None and not PATHS[name][0]:
+        raise ValueError(f"long_from (the hybrid) needs a fused path, got the split path {name!r}")
+    token = _PIN.set((name, segment_chunks, long_from))
     try:
         yield
     finally:
@@ -188,13 +195,14 @@ def path(name=None, segment_chunks=None):
 def _path_args(V) -> dict:
     """The extension's path arguments for a call at value dimension V (refused here,
     before the extension is called, when the pinned path cannot run)."""
-    name, segment_chunks = _PIN.get()
+    name, segment_chunks, long_from = _PIN.get()
     why = path_error(name, V)
     if why is not None:
         raise ValueError(why)
     fused, ncw = PATHS[name] if name is not None else (-1, 0)
     pw = _PAIRWISE.get()
-    return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0, pairwise=-1 if pw is None else int(pw))
+    return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0, pairwise=-1 if pw is None else int(pw),
+                long_from=-1 if long_from is None else long_from)
 
 
 def _check_pairwise(pin, c):
