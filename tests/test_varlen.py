@@ -724,10 +724,12 @@ def test_the_hybrid_runs_long_sequences_split_and_the_rest_fused(sid, case):
 @gpu
 @pytest.mark.parametrize("sid", selected_ids(["11", "12"]))
 def test_the_rule_takes_the_hybrid_only_where_one_sequence_is_long(sid):
-    """The rule (binding.cpp, kda_hybrid_long_from): with the fused path's many (sequence, head)
-    pairs, a sequence of 2048+ tokens and 4x the mean runs split beside the fused kernel (and
-    agrees with the fused path within the paths' tolerance); 2047 tokens, or five runs of long
-    sequences (more than KDA_MAX_SKIP), keep the fused kernel alone."""
+    """The rule (kda.cu, kda_hybrid_long_from): with the fused path's many (sequence, head)
+    pairs, a sequence of 2048+ tokens, 4x the mean and more than an SM's share of the work
+    (H x T / SMs tokens) runs split beside the fused kernel (and agrees with the fused path
+    within the paths' tolerance); 2047 tokens, five runs of long sequences (more than
+    KDA_MAX_SKIP), or long sequences below an SM's share of the work (the fused kernel bound
+    by its work, not by their chains) keep the fused kernel alone."""
     S = load_stage(sid)
     H = 4
     n_short = -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // (3 * H)) + 1  # fused8's pairs
@@ -748,3 +750,13 @@ def test_the_rule_takes_the_hybrid_only_where_one_sequence_is_long(sid):
     assert kernels_of(short + (2047,))[0] == ["kda_fused_kernel"]
     scattered = tuple(x for n in range(5) for x in (short[n], 2100)) + short[5:]
     assert kernels_of(scattered)[0] == ["kda_fused_kernel"]
+    # at H = 32: one sequence of 8192 among 30 of 16-512 tokens (share 32 T / SMs below 8192: split off);
+    # two of 4096 among 40 of 128-1024 (share above 4096: the fused kernel is bound by its work)
+    H = 32
+    chain_bound = checks.random_lengths(30, 16, 512, seed=8) + (8192,)
+    ks = kernels_of(chain_bound)[0]
+    assert "kda_prepare_kernel" in ks and ks[-1] == "kda_fused_kernel", ks
+    work_bound = checks.random_lengths(20, 128, 1024, seed=9) + (4096,) + checks.random_lengths(20, 128, 1024, seed=10) \
+        + (4096,)
+    assert 32 * sum(work_bound) > 4096 * torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernels_of(work_bound)[0] == ["kda_fused_kernel"]

@@ -160,13 +160,20 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
 
 // The hybrid's rule: a fused block carries its sequence's whole chain of chunks, each
 // chunk prepared in the block (about 2.5x the split path's time per chunk on the H200),
-// so one sequence much longer than the others sets the fused kernel's time alone. From
-// 2048 tokens (two segments of the split path) and 4x the mean length such a sequence
-// runs on the split path beside the fused kernel. Measured: results/h200/stage11/.
-int kda_hybrid_long_from(const KdaPlan& plan, int n_seq, long long total_tokens, int max_len) {
+// so a sequence whose chain is longer than an SM's share of all the work (H * total / SMs
+// tokens, one fused block per SM) sets the fused kernel's time alone; below that share
+// the fused kernel is bound by its work, which the split path does less efficiently
+// (measured: four sequences of 4096 among 60 of 128-1024 tokens at H = 32 ran 1.33x
+// slower split off). Such a sequence, if it also has 2048 tokens (two segments) and 4x
+// the mean length, runs on the split path beside the fused kernel. results/h200/stage11/.
+int kda_hybrid_long_from(const KdaFwdParams& p, const KdaPlan& plan, long long total_tokens, int max_len) {
   constexpr long long kMinTokens = 2048, kMeanFactor = 4;
-  if (!plan.fused || n_seq < 2) return 0;
-  const long long from = std::max(kMinTokens, kMeanFactor * ((total_tokens + n_seq - 1) / n_seq));
+  int dev = 0, sms = 0;
+  if (!plan.fused || p.N < 2 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
+    return 0;
+  const long long share = ((long long)p.H * total_tokens + sms - 1) / sms;
+  const long long from = std::max({kMinTokens, kMeanFactor * ((total_tokens + p.N - 1) / p.N), share});
   return max_len >= from ? (int)from : 0;
 }
 

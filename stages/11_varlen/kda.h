@@ -121,9 +121,10 @@ struct KdaPlan {
 // The hybrid: with the fused plan and the sequences' lengths known on the host, the
 // sequences of at least long_from tokens run on the split path (their chain of chunks
 // no longer carries the prepare of each chunk) beside the fused kernel over the others.
-// The rule: long_from = max(2048, 4 x the mean length), and only where some sequence is
-// that long (0: no hybrid). n_seq sequences of total_tokens tokens, the longest max_len.
-int kda_hybrid_long_from(const KdaPlan& plan, int n_seq, long long total_tokens, int max_len);
+// The rule: long_from = max(2048, 4 x the mean length, H x total_tokens / SMs), and only
+// where some sequence is that long (0: no hybrid). p.N sequences of total_tokens tokens,
+// the longest max_len.
+int kda_hybrid_long_from(const KdaFwdParams& p, const KdaPlan& plan, long long total_tokens, int max_len);
 
 // The plan for these sizes on the current device: want_fused < 0 picks by the
 // stage's rule (at V = 128: fused with 8 compute warps when 3 N*H >= 2 SMs,

@@ -3,7 +3,7 @@
 // tensor, plans the path (kda_fwd_plan), allocates the per-chunk workspace on the
 // input's device only for the split path (two segments of the longest sequence),
 // launches on the current stream (the split path's K1 on a side stream joined before
-// the call returns; the hybrid's long sequences on two side streams). No loop over
+// the call returns; the hybrid's runs of long sequences on side streams). No loop over
 // sequences: one launch (or one K1 + K2 pair per segment) covers all of them.
 //
 // fwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound,
@@ -78,7 +78,8 @@ constexpr int64_t kSegmentChunks = 64;
 // per device and kept (no event is created while a CUDA graph is being captured). A wait takes
 // the event's last record at the time of the wait, so calls one after the other may reuse them.
 struct Events {
-  cudaEvent_t fork{}, k1_done[2]{}, k2_done[2]{}, join{};
+  cudaEvent_t fork{}, k1_done[2]{}, k2_done[2]{};
+  cudaEvent_t run_k1[KDA_MAX_SKIP][2]{}, run_k2[KDA_MAX_SKIP][2]{}, run_done[KDA_MAX_SKIP]{};  // the hybrid's runs
 };
 const Events& events_of(int device) {
   static std::mutex mu;
@@ -87,8 +88,11 @@ const Events& events_of(int device) {
   auto it = all.find(device);
   if (it == all.end()) {
     Events ev;
-    for (cudaEvent_t* e : {&ev.fork, &ev.k1_done[0], &ev.k1_done[1], &ev.k2_done[0], &ev.k2_done[1], &ev.join})
+    for (cudaEvent_t* e : {&ev.fork, &ev.k1_done[0], &ev.k1_done[1], &ev.k2_done[0], &ev.k2_done[1]})
       C10_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    for (int r = 0; r < KDA_MAX_SKIP; ++r)
+      for (cudaEvent_t* e : {&ev.run_k1[r][0], &ev.run_k1[r][1], &ev.run_k2[r][0], &ev.run_k2[r][1], &ev.run_done[r]})
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     it = all.emplace(device, ev).first;
   }
   return it->second;
@@ -257,7 +261,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   };
   std::vector<Run> runs;
   const int64_t from = long_from >= 0 ? long_from
-                       : fused == -1 && !seq_lens.empty() ? kda_hybrid_long_from(plan, (int)N, T, (int)host_max)
+                       : fused == -1 && !seq_lens.empty() ? kda_hybrid_long_from(p, plan, T, (int)host_max)
                                                           : 0;
   if (plan.fused && from > 0) {
     for (int64_t i = 0; i < N; ++i) {
@@ -276,21 +280,18 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   //      most kSegmentChunks chunks) and (sequence, head), written by K1, read by K2 (see kda.h), in
   //      two buffers when there are several segments (K1 of segment i + 1 fills one while K2 of
   //      segment i reads the other); the fused path needs none ----
-  //      (the hybrid: the same for the longest run of long sequences)
+  //      (the hybrid: two buffers for each run of long sequences, sized for the largest)
   const int64_t seg_chunks = segment_chunks > 0 ? segment_chunks : kSegmentChunks;
   const int64_t NC = plan.fused ? NT : std::min<int64_t>(NT, seg_chunks);
   const int64_t n_seg = (NT + NC - 1) / NC;
   int64_t n_buf = plan.fused ? 0 : std::min<int64_t>(n_seg, 2), ws_pairs = N * H, ws_chunks = NC;
   if (!runs.empty()) {
-    int64_t segs = 0;
     ws_pairs = ws_chunks = 0;
     for (const Run& r : runs) {
-      const int64_t nt = (r.max_len + kChunk - 1) / kChunk;
       ws_pairs = std::max(ws_pairs, (r.hi - r.lo) * H);
-      ws_chunks = std::max(ws_chunks, std::min(nt, seg_chunks));
-      segs += (nt + seg_chunks - 1) / seg_chunks;
+      ws_chunks = std::max(ws_chunks, std::min((r.max_len + kChunk - 1) / kChunk, seg_chunks));
     }
-    n_buf = std::min<int64_t>(segs, 2);
+    n_buf = 2 * (int64_t)runs.size();  // run r's buffers are 2r and 2r + 1
   }
   torch::Tensor ws_qd, ws_w, ws_krT, ws_Aqk, ws_u, ws_el;
   if (n_buf > 0) {
@@ -340,20 +341,21 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   }
   if (plan.fused) {
     // The hybrid. Each run of long sequences, a view of cu_seqlens and of the states, on the split
-    // path segment by segment: K1 on side stream s1, K2 on s2, K1 one segment ahead (as below), both
-    // at high priority (their chain sets the call's time); the fused kernel over the other sequences
-    // on the caller's stream beside them, which then waits for s2's last K2.
+    // path segment by segment, on a stream pair of its own so that the runs' chains overlap: K1 on
+    // s1, K2 on s2, K1 one segment ahead (as below), at high priority (their chains set the call's
+    // time); the fused kernel over the other sequences on the caller's stream beside them, which
+    // then waits for every run's last K2.
     const int dev = q.device().index();
-    const c10::cuda::CUDAStream s1 = c10::cuda::getStreamFromPool(true, dev);
-    const c10::cuda::CUDAStream s2 = c10::cuda::getStreamFromPool(true, dev);
-    TORCH_CHECK(s1 != s2, "the hybrid needs two side streams, the pool gave one");
     const Events& ev = events_of(dev);
     C10_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(s1.stream(), ev.fork, 0));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(s2.stream(), ev.fork, 0));
     const int64_t state_elems = H * K * V;
-    int64_t seg = 0;  // segments launched so far, over all runs: the buffer is seg % 2
-    for (const Run& r : runs) {
+    for (size_t ri = 0; ri < runs.size(); ++ri) {
+      const Run& r = runs[ri];
+      const c10::cuda::CUDAStream s1 = c10::cuda::getStreamFromPool(true, dev);
+      const c10::cuda::CUDAStream s2 = c10::cuda::getStreamFromPool(true, dev);
+      TORCH_CHECK(s1 != s2, "the hybrid needs two side streams per run, the pool gave one");
+      C10_CUDA_CHECK(cudaStreamWaitEvent(s1.stream(), ev.fork, 0));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(s2.stream(), ev.fork, 0));
       KdaFwdParams pr = p;
       pr.cu_seqlens = p.cu_seqlens + r.lo;
       pr.N = (int)(r.hi - r.lo);
@@ -363,19 +365,20 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
       KdaPlan split{};
       kda_check(kda_fwd_plan(pr, 0, 0, &split), "kda forward plan (hybrid)");  // the split path at the rule's width
       const int64_t nc = std::min<int64_t>(pr.NT, seg_chunks);
-      for (int64_t n0 = 0; n0 < pr.NT; n0 += nc, ++seg) {
+      for (int64_t seg = 0, n0 = 0; n0 < pr.NT; n0 += nc, ++seg) {
         const int64_t buf = seg % 2;
-        use_buffer(buf, pr);
+        use_buffer(2 * (int64_t)ri + buf, pr);
         pr.n0 = (int)n0;
         pr.NC = (int)std::min<int64_t>(nc, pr.NT - n0);
         pr.h0 = n0 == 0 ? h0_run : pr.ht;
-        if (seg >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(s1.stream(), ev.k2_done[buf], 0));
+        if (seg >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(s1.stream(), ev.run_k2[ri][buf], 0));
         kda_check(kda_fwd_launch(pr, split, s1.stream(), KDA_LAUNCH_K1), "kda forward (hybrid K1)");
-        C10_CUDA_CHECK(cudaEventRecord(ev.k1_done[buf], s1.stream()));
-        C10_CUDA_CHECK(cudaStreamWaitEvent(s2.stream(), ev.k1_done[buf], 0));
+        C10_CUDA_CHECK(cudaEventRecord(ev.run_k1[ri][buf], s1.stream()));
+        C10_CUDA_CHECK(cudaStreamWaitEvent(s2.stream(), ev.run_k1[ri][buf], 0));
         kda_check(kda_fwd_launch(pr, split, s2.stream(), KDA_LAUNCH_K2), "kda forward (hybrid K2)");
-        C10_CUDA_CHECK(cudaEventRecord(ev.k2_done[buf], s2.stream()));
+        C10_CUDA_CHECK(cudaEventRecord(ev.run_k2[ri][buf], s2.stream()));
       }
+      C10_CUDA_CHECK(cudaEventRecord(ev.run_done[ri], s2.stream()));  // its last K2 follows every K1 of s1
     }
     p.n0 = 0;
     p.NC = (int)NT;
@@ -385,8 +388,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
       p.skip_hi[i] = (int)runs[i].hi;
     }
     kda_check(kda_fwd_launch(p, plan, stream), "kda forward (hybrid, fused)");
-    C10_CUDA_CHECK(cudaEventRecord(ev.join, s2.stream()));  // s2's last K2 follows every K1 of s1
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.join, 0));
+    for (size_t ri = 0; ri < runs.size(); ++ri) C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.run_done[ri], 0));
     return;
   }
   // The split path segment by segment: K1 and K2 over chunks n0 .. n0 + NC - 1 of every sequence
