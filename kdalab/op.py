@@ -286,7 +286,8 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     ext.fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound, CHUNK, o, ht,
                      None,  # prof
                      -1, 0, 0,  # fused, ncw, segment_chunks: the stage's own rule
-                     cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode, seq_lens)
+                     cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode,
+                     seq_lens=seq_lens)  # by name: stage 12's binding has pairwise before it
     return o, ht if output_final_state else ht.new_empty(0)
 
 

@@ -55,7 +55,7 @@ class FakeExt:
 
     def fwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, o, ht, prof,
             fused=-1, ncw=0, segment_chunks=0, cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True,
-            beta_mode=1, seq_lens=(), long_from=-1):
+            beta_mode=1, *, seq_lens=(), long_from=-1):  # keyword-only: stage 12 has pairwise first
         self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, scale=scale,
                                gate_id=gate_id, lower_bound=lower_bound, chunk_size=chunk_size, o=o, ht=ht,
                                prof=prof, fused=fused, ncw=ncw, segment_chunks=segment_chunks,
