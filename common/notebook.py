@@ -872,7 +872,8 @@ def fused_profile(stage_id="09"):
 
 # ---- packed sequences (stage 11): one call over sequences of different lengths ----
 
-VARLEN_MIX_ORDER = ("flashkda", "serving64", "long+short")  # scripts/bench_varlen.py MIXES
+VARLEN_MIX_ORDER = ("flashkda", "serving64", "long+short", "few-long")  # scripts/bench_varlen.py MIXES
+NO_HYBRID = "long_from=0"  # the pin that turns the hybrid off (bench_varlen --paths): what it bought
 VARLEN_LIVE_MIX = "flashkda"  # the mix timed live on a GPU (FlashKDA's varlen shape: seconds)
 VARLEN_LIVE_TIMEOUT_S = 600
 _VARLEN: dict = {}  # stage id -> (rows, notes, recorded meta): measured once per notebook session
@@ -976,8 +977,10 @@ def _varlen(stage_id="11"):
     if sid in _VARLEN:
         return _VARLEN[sid]
     data = results.varlen_record(sid) or {}
-    meta, rec = data.get("meta"), data.get("rows", [])
     spec = load_stage(sid).SPEC
+    meta = data.get("meta")
+    # this stage's rows (a record may hold the next stage's too), FlashKDA's and the per-sequence loop's
+    rec = [r for r in data.get("rows", []) if r.get("stage") in (None, spec.name) or r.get("per_sequence_loop")]
     ok, why = spec.runnable_here()
     notes, live = [], []
     if ok:
@@ -1031,15 +1034,15 @@ def varlen_table(stage_id="11") -> pd.DataFrame:
 @figure
 def varlen_plot(stage_id="11"):
     """The figure of :func:`varlen_table`: per mix, the GPU time of FlashKDA's
-    varlen call, the stage's packed call (V-first state, FlashKDA's layout) and
-    the stage before called once per sequence, each bar labelled, "n/a" where
-    not measured."""
+    varlen call, the stage's packed call (V-first state, FlashKDA's layout), the
+    same without the hybrid (pinned long_from=0, where recorded) and the stage
+    before called once per sequence, each bar labelled, "n/a" where not measured."""
     rows = _say_varlen(stage_id)
     if not rows:
         return None
     sid = normalize(stage_id)
     name = load_stage(sid).SPEC.name
-    keep = {FLASHKDA, f"{name} (V-first state)"}
+    keep = {FLASHKDA, f"{name} (V-first state)", f"{name} (V-first state) {NO_HYBRID}"}
     order = {m: i for i, m in enumerate(VARLEN_MIX_ORDER)}
     mixed = len({r["where"] for r in rows}) > 1
     bars = []
@@ -1048,15 +1051,18 @@ def varlen_plot(stage_id="11"):
         if impl not in keep and not r.get("per_sequence_loop") and "once per sequence" not in impl:
             continue
         label = f"{r['mix']}\nN={r['N']} T={r['T']} H={r['H']}" + (f"\n({r['where']})" if mixed else "")
+        if NO_HYBRID in impl:  # a label of its own (and so a colour of its own): the stage without the hybrid
+            impl = f"without the hybrid ({NO_HYBRID})"
         bars.append(dict(mix=label, impl=impl, ms=None if r.get("error") else r.get("gpu_ms")))
-    bars.sort(key=lambda b: {FLASHKDA: 0}.get(b["impl"], 1 if b["impl"].startswith(name) else 2))
+    bars.sort(key=lambda b: {FLASHKDA: 0}.get(b["impl"], 1 if b["impl"].startswith(name)
+                                              else 1.5 if NO_HYBRID in b["impl"] else 2))
     bars.sort(key=lambda b: order.get(b["mix"].split("\n")[0], 99))  # stable: mixes in order, bars in order
     meta = _varlen(sid)[2] or {}
     src = "live and recorded rows" if mixed else "measured live" if rows[0]["where"] == "live" else \
         f"recorded on {meta.get('device')}, {str(meta.get('date'))[:10]}, commit {meta.get('commit')}"
     import matplotlib.pyplot as plt
 
-    _, ax = plt.subplots(figsize=(9, 4.2))
+    _, ax = plt.subplots(figsize=(11, 4.2))  # wide enough that neighbouring bars' values do not run together
     return plot_bars(bars, x="mix", y="ms", by="impl", ax=ax, logy=False, ylabel="GPU ms per call",
                      value_fmt=".4g", value_rotation=0, value_fontsize=7,
                      title=f"Packed sequences at K = V = 128, GPU time ({src})")

@@ -99,7 +99,7 @@ PATHS_RECORDED = {
 # The recorded packed-sequence measurements of a varlen stage (scripts/bench_varlen.py), by stage id, as
 # names for :func:`recorded`: per mix of sequence lengths, the stage (both state layouts), FlashKDA's
 # varlen call and, at the first mix, the stage before called once per sequence.
-VARLEN_RECORDED = {"11": "stage11/varlen_e242ae3"}
+VARLEN_RECORDED = {"11": "stage11/varlen_hybrid_dacff50"}
 
 
 def varlen_record(stage_id: str = "11") -> dict | None:

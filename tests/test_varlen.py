@@ -717,7 +717,8 @@ def test_the_hybrid_runs_long_sequences_split_and_the_rest_fused(sid, case):
     b = case.bounds()
     for n, length in enumerate(case.lengths):
         want, path = (per_split, "split") if length >= HYBRID_FROM else (per_fused, "fused")
-        assert torch.equal(got["o"][:, b[n]:b[n + 1]], want["o"][:, b[n]:b[n + 1]]), f"o of sequence {n} != its {path} call"
+        rows = slice(b[n], b[n + 1])
+        assert torch.equal(got["o"][:, rows], want["o"][:, rows]), f"o of sequence {n} != its {path} call"
         assert torch.equal(got["S"][n], want["S"][n]), f"state of sequence {n} != its {path} call"
 
 
@@ -756,7 +757,7 @@ def test_the_rule_takes_the_hybrid_only_where_one_sequence_is_long(sid):
     chain_bound = checks.random_lengths(30, 16, 512, seed=8) + (8192,)
     ks = kernels_of(chain_bound)[0]
     assert "kda_prepare_kernel" in ks and ks[-1] == "kda_fused_kernel", ks
-    work_bound = checks.random_lengths(20, 128, 1024, seed=9) + (4096,) + checks.random_lengths(20, 128, 1024, seed=10) \
-        + (4096,)
+    work_bound = (checks.random_lengths(20, 128, 1024, seed=9) + (4096,)
+                  + checks.random_lengths(20, 128, 1024, seed=10) + (4096,))
     assert 32 * sum(work_bound) > 4096 * torch.cuda.get_device_properties(0).multi_processor_count
     assert kernels_of(work_bound)[0] == ["kda_fused_kernel"]

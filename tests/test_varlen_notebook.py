@@ -1,7 +1,7 @@
 """The notebook helpers of packed sequences (stage 11): the fp64 demonstration
 that a packed call is each sequence alone (common.notebook.varlen_demo, on the
 CPU), the recorded packed-sequence table and its figure (varlen_table,
-varlen_plot, from results/h200/stage11/varlen_e242ae3.json), and the live branch
+varlen_plot, from results/h200/stage11/varlen_hybrid_dacff50.json), and the live branch
 with a stand-in for scripts/bench_varlen.py."""
 
 import copy
@@ -15,8 +15,8 @@ REC = results.varlen_record("11")
 
 
 def test_the_record_is_registered():
-    assert results.VARLEN_RECORDED == {"11": "stage11/varlen_e242ae3"}
-    assert REC["meta"]["device"] == "NVIDIA H200" and len(REC["rows"]) == 10
+    assert results.VARLEN_RECORDED == {"11": "stage11/varlen_hybrid_dacff50"}
+    assert REC["meta"]["device"] == "NVIDIA H200" and len(REC["rows"]) == 37  # stages 11 and 12
     assert results.varlen_record("10") is None
 
 
@@ -43,26 +43,33 @@ def recorded(monkeypatch):
 def test_the_recorded_table_is_the_file(recorded, capsys):
     df = notebook.varlen_table("11").data
     out = capsys.readouterr().out
-    assert "recorded on NVIDIA H200" in out and "commit e242ae3" in out
-    assert len(df) == 10 and set(df["where"]) == {"recorded"}
-    assert list(df.index.get_level_values("mix").unique()) == ["flashkda", "serving64", "long+short"]
+    assert "recorded on NVIDIA H200" in out and "commit dacff50" in out
+    # stage 11's rows only (not stage 12's): per mix FlashKDA, both layouts, two pins; the loop at the first
+    assert len(df) == 21 and set(df["where"]) == {"recorded"}
+    assert list(df.index.get_level_values("mix").unique()) == ["flashkda", "serving64", "long+short", "few-long"]
+    assert not any("12_softplus" in i for i in df.index.get_level_values("impl"))
     fk = ("flashkda", 6, 8192, 96)
-    assert df.loc[fk + ("11_varlen (V-first state)",), "x FlashKDA"] == 0.686
-    assert df.loc[fk + ("11_varlen (K-first state)",), "GPU ms"] == 0.9549
-    assert df.loc[fk + ("10_smem_diet once per sequence (6 calls)",), "GPU ms"] == 1.2701
-    assert df.loc[fk + ("FlashKDA",), "o err vs fp64"] == 0.00598
-    assert df.loc[("serving64", 64, 61362, 32, "11_varlen (V-first state)"), "x FlashKDA"] == 0.733
-    assert df.loc[("long+short", 49, 20239, 32, "11_varlen (V-first state)"), "S err vs fp64"] == 0.00287
+    assert df.loc[fk + ("11_varlen (V-first state)",), "x FlashKDA"] == pytest.approx(0.677, abs=0.0005)
+    assert df.loc[fk + ("11_varlen (K-first state)",), "GPU ms"] == pytest.approx(0.9566, abs=5e-05)
+    assert df.loc[fk + ("10_smem_diet once per sequence (6 calls)",), "GPU ms"] == pytest.approx(1.2682, abs=5e-05)
+    assert df.loc[fk + ("FlashKDA",), "o err vs fp64"] == pytest.approx(0.00598, abs=5e-06)
+    sv = ("serving64", 64, 61362, 32, "11_varlen (V-first state)")
+    assert df.loc[sv, "x FlashKDA"] == pytest.approx(0.734, abs=0.0005)
+    ls = ("long+short", 49, 20239, 32)
+    assert df.loc[ls + ("11_varlen (V-first state)",), "S err vs fp64"] == pytest.approx(0.00287, abs=5e-06)
+    assert df.loc[ls + ("11_varlen (V-first state)",), "x FlashKDA"] == pytest.approx(0.618, abs=0.0005)  # the hybrid
+    no_hybrid = ls + ("11_varlen (V-first state) long_from=0",)
+    assert df.loc[no_hybrid, "x FlashKDA"] == pytest.approx(0.827, abs=0.0005)  # without it
 
 
 def test_the_plot_has_every_bar_and_says_n_a(recorded):
     ax = notebook.varlen_plot("11")
     texts = [t.get_text() for t in ax.texts]
-    assert {"1.397", "0.9588", "1.27", "3.001", "2.198", "1.878", "1.586"} <= set(texts)
-    assert texts.count("n/a") == 2  # the per-sequence loop was timed at the first mix only
+    assert {"1.408", "0.953", "1.268", "3.009", "2.207", "1.925", "1.19", "1.592", "2.815", "1.999"} <= set(texts)
+    assert texts.count("n/a") == 3  # the per-sequence loop was timed at the first mix only
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "FlashKDA", "11_varlen (V-first state)", "10_smem_diet once per sequence"]
-    assert "recorded on NVIDIA H200, 2026-12-02, commit e242ae3" in ax.get_title()
+        "FlashKDA", "11_varlen (V-first state)", "without the hybrid (long_from=0)", "10_smem_diet once per sequence"]
+    assert "recorded on NVIDIA H200, 2026-12-02, commit dacff50" in ax.get_title()
 
 
 def test_live_on_a_gpu_measures_one_mix_and_shows_the_rest_recorded(recorded, monkeypatch, capsys):
@@ -81,7 +88,7 @@ def test_live_on_a_gpu_measures_one_mix_and_shows_the_rest_recorded(recorded, mo
     assert calls == ["11"] and "mix flashkda: measured live" in out
     where = df.reset_index().groupby("mix")["where"].agg(set)
     assert where["flashkda"] == {"live"} and where["serving64"] == where["long+short"] == {"recorded"}
-    assert df.loc[("flashkda", 6, 8192, 96, "FlashKDA"), "GPU ms"] == pytest.approx(1.3974 / 2)
+    assert df.loc[("flashkda", 6, 8192, 96, "FlashKDA"), "GPU ms"] == pytest.approx(1.40757 / 2, rel=1e-4)
     ax = notebook.varlen_plot("11")  # the same measurement, not a second one
     assert calls == ["11"] and "live and recorded rows" in ax.get_title()
 
@@ -92,4 +99,4 @@ def test_a_failed_live_run_falls_back_to_the_record(recorded, monkeypatch, capsy
                                                                    "recorded"))
     df = notebook.varlen_table("11").data
     out = capsys.readouterr().out
-    assert "the live run failed" in out and set(df["where"]) == {"recorded"} and len(df) == 10
+    assert "the live run failed" in out and set(df["where"]) == {"recorded"} and len(df) == 21

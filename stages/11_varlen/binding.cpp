@@ -30,7 +30,8 @@
 // kSegmentChunks): the benchmark that chose the rule and the tests of both paths pass them.
 // seq_lens: the N lengths of cu_seqlens as the host knows them (the caller's CPU copy), or
 // empty (not known: no hybrid). long_from: the hybrid's threshold in tokens where the plan
-// is fused (-1: kda_hybrid_long_from's rule, unless a path is pinned; 0: no hybrid): each run
+// is fused and seq_lens are given (else there is no hybrid, whatever long_from says; -1:
+// kda_hybrid_long_from's rule, unless a path is pinned; 0: no hybrid): each run
 // of consecutive sequences at least that long (at most KDA_MAX_SKIP runs, else no hybrid)
 // runs on the split path beside the fused kernel over the others.
 #define KDA_WITH_TORCH
@@ -173,7 +174,6 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
     TORCH_CHECK(host_max <= max_len, "seq_lens has a sequence of ", host_max, " tokens, longer than max_seqlen = ",
                 max_len);
   }
-  TORCH_CHECK(long_from <= 0 || !seq_lens.empty(), "long_from (the hybrid) needs seq_lens, the lengths on the host");
 
   // ---- tensors ----
   check_tensor(q, "q", q, torch::kBFloat16);
@@ -238,7 +238,6 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.state_v_first = state_v_first ? 1 : 0;
   KdaPlan plan{};
   kda_check(kda_fwd_plan(p, (int)fused, (int)ncw, &plan), "kda forward plan");
-  TORCH_CHECK(long_from <= 0 || plan.fused, "long_from (the hybrid) needs the fused path, the plan is split");
 
   // ---- the hybrid's runs of long sequences [lo, hi), each with its longest length ----
   struct Run {
@@ -248,7 +247,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   const int64_t from = long_from >= 0 ? long_from
                        : fused == -1 && !seq_lens.empty() ? kda_hybrid_long_from(p, plan, T, (int)host_max)
                                                           : 0;
-  if (plan.fused && from > 0) {
+  if (plan.fused && from > 0 && !seq_lens.empty()) {
     for (int64_t i = 0; i < N; ++i) {
       if (seq_lens[i] < from) continue;
       if (!runs.empty() && runs.back().hi == i) {
