@@ -551,6 +551,16 @@ FLASHKDA_VARLEN_LENGTHS = (1300, 547, 2048, 963, 271, 3063)
 FLASHKDA_VARLEN = VarlenCase(FLASHKDA_VARLEN_LENGTHS, H=96, K=128, V=128, h0=True, state_v_first=True,
                              lower_bound=-5.0, cu_dtype="int64", seed=47, name="flashkda")
 
+# The hybrid of stages 11 and 12 (long sequences on the split path beside the fused kernel), pinned from
+# HYBRID_FROM tokens: the cases of its GPU test and of the sanitizer run.
+HYBRID_FROM = 200
+HYBRID_CASES = (
+    # three runs of one long sequence among short ones and an empty one, h0, K-first
+    VarlenCase((40, 300, 17, 0, 333, 25, 260, 9), H=3, K=128, V=128, seed=91),
+    # a run of two long sequences first, then short ones and one more, no h0, V-first
+    VarlenCase((250, 210, 5, 61, 400), H=2, K=64, V=64, h0=False, state_v_first=True, seed=92),
+)
+
 
 def varlen_cases(big: bool = True):
     """Packed-sequence cases for the tensor-core stages (K = V in {64, 128}):

@@ -59,9 +59,8 @@ if spec.varlen:  # packed sequences (stage 11 on): every path, ragged
                     got = checks.run_varlen(stage.forward, inp, "cuda")
                 res.update({f"{k} (packed {case.lengths}, {name or 'rule'}, seg {seg})": v for k, v in got.items()})
     # the hybrid: runs of long sequences on the split path (segments of 3 chunks) beside the fused kernel
-    for case in (checks.VarlenCase((40, 300, 17, 0, 333, 25, 260, 9), H=3, K=128, V=128, seed=91),
-                 checks.VarlenCase((250, 210, 5, 61, 400), H=2, K=64, V=64, h0=False, state_v_first=True, seed=92)):
-        with stage.path("fused8" if case.V == 128 else "fused4", segment_chunks=3, long_from=200):
+    for case in checks.HYBRID_CASES:
+        with stage.path("fused8" if case.V == 128 else "fused4", segment_chunks=3, long_from=checks.HYBRID_FROM):
             got = checks.run_varlen(stage.forward, checks.varlen_inputs(case, device="cuda"), "cuda")
         res.update({f"{k} (hybrid {case.lengths})": v for k, v in got.items()})
 if hasattr(stage, "pairwise"):  # stage 12: the pairwise products, at the gate's extremes (wide and narrow

@@ -666,13 +666,7 @@ def test_bench_varlen_ratio_prefers_gpu_time():
 
 # --- the hybrid: long sequences on the split path beside the fused kernel (stages 11 and 12) -------------------------
 
-HYBRID_FROM = 200  # the pinned threshold of the hybrid's cases, in tokens
-HYBRID_CASES = [
-    # three runs of one long sequence among short ones and an empty one, h0, K-first
-    checks.VarlenCase((40, 300, 17, 0, 333, 25, 260, 9), H=3, K=128, V=128, seed=91),
-    # a run of two long sequences first, then short ones and one more, no h0, V-first
-    checks.VarlenCase((250, 210, 5, 61, 400), H=2, K=64, V=64, h0=False, state_v_first=True, seed=92),
-]
+HYBRID_FROM, HYBRID_CASES = checks.HYBRID_FROM, checks.HYBRID_CASES  # the pinned threshold (tokens) and cases
 
 
 def runs_of(lengths, long_from) -> list[tuple[int, int]]:
