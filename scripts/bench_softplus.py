@@ -1,19 +1,21 @@
 """Stage 12 and the softplus gate on the H200, in one call beside FLA (issue 21).
 
-Five parts, one results file (common.results; rows carry ``part``):
+Six parts, one results file (common.results; rows carry ``part``):
 
 - ``accuracy``: on every softplus check case (common.checks.tc_softplus_cases:
-  tails, B > 1 with h0, K = 64 and 128, the gate at its extremes), o and the
-  final state of stage 12 and of FLA's chunk_kda (softplus gate, safe_gate=False)
-  against the fp64 token loop on the same bf16 inputs, and whether every
-  output is finite (FLA run on groups of heads: by_heads).
+  tails, B > 1 with h0, K = 64 and 128, the gate at its extremes) and the quick
+  bounded-gate ones, o and the final state of stage 12 (as it runs, pair by pair
+  pinned, and with u formed from Af rounded once: ``u_halves(False)``) and of
+  FLA's chunk_kda (softplus gate: safe_gate=False) against the fp64 token loop on
+  the same bf16 inputs, and whether every output is finite (FLA run on groups of
+  heads: by_heads).
 - ``speed``: at the tensor-core benchmark shapes and Kimi Linear's (B1 T8192
   H32, B4 T4096 H32, B1 T131072 H32), GPU time (CUDA events, and CUDA-graph
   replay where it captures) and peak memory of stage 12 and of FLA with the
   softplus gate, on the same inputs; FLA's rows come last so that a cut run
   keeps stage 12's.
 - ``bounded``: at the same shapes with the bounded gate, stage 12 as it runs
-  it (factored products, which must be stage 11's bitwise), stage 12 with the
+  it (factored products; with ``u_halves(False)`` stage 11's bitwise), stage 12 with the
   pairwise products pinned (what the scheme costs where it is not needed),
   and stage 11.
 - ``products``: at the same shapes with the softplus gate, stage 12 as it runs it
@@ -22,6 +24,8 @@ Five parts, one results file (common.results; rows carry ``part``):
   inputs are wide (``stage.wide_chunks``): what the choice per chunk buys.
 - ``paths``: stage 12 with the softplus gate on every path (``stage.path``), and
   the split paths at other segment lengths (``--segments``).
+- ``u``: at the same shapes with the softplus gate, stage 12 as it runs it (u from
+  Af in two bf16 halves) beside ``u_halves(False)``: what the second half costs.
 
     python scripts/bench_softplus.py --out $OUT/softplus.json [--parts accuracy,bounded,speed] [--who 12,fla]
         [--shapes 0,6] [--no-fla]
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import checks  # noqa: E402
 from common.bench import TC_GPU_SHAPES, _timed, peak_mb  # noqa: E402
+from common.fla_ref import FLA_TUNED_HEADS, by_heads  # noqa: E402
 from common.inputs import make_inputs  # noqa: E402
 from common.metrics import rel_err  # noqa: E402
 from common.reference import kda_reference, log_decay  # noqa: E402
@@ -54,36 +59,6 @@ SHAPES = TC_GPU_SHAPES + KIMI_SHAPES
 
 def say(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def by_heads(fwd, group: int):
-    """``fwd`` run on groups of ``group`` heads (the last one padded with zero heads),
-    the outputs put back together. Heads are independent, so this is ``fwd`` on all of
-    them; FLA autotunes its kernels once per head count (about 100 s each on the H200),
-    so its accuracy rows run at the head counts its timed rows use (32 at K = 128, 4 at
-    K = 64) instead of one new count per case."""
-    def run(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, **kw):
-        H = q.shape[2]
-        os_, Ss = [], []
-        for h0 in range(0, H, group):
-            hs = slice(h0, min(H, h0 + group))
-            n = hs.stop - hs.start
-
-            def pad(x, dim):
-                x = x.narrow(dim, h0, n)
-                if n == group:
-                    return x.contiguous()
-                shape = list(x.shape)
-                shape[dim] = group - n
-                return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
-
-            o, S = fwd(pad(q, 2), pad(k, 2), pad(v, 2), pad(g, 2), pad(beta, 2), A_log=pad(A_log, 0),
-                       dt_bias=pad(dt_bias, 0), initial_state=None if initial_state is None else pad(initial_state, 1),
-                       **kw)
-            os_.append(o[:, :, :n])
-            Ss.append(S[:, :n])
-        return torch.cat(os_, dim=2), torch.cat(Ss, dim=1)
-    return run
 
 
 def path_rows(shapes, on_row, segments=()) -> None:
@@ -139,19 +114,22 @@ def accuracy_rows(fla: bool) -> list[dict]:
 
     s12 = load_stage("12")
     rows = []
-    for case in checks.tc_softplus_cases():
+    for case in checks.tc_softplus_cases() + checks.tc_cases(quick=True):
         inp = checks.case_inputs(case, "cpu", torch.bfloat16)
         got = checks.run(s12.forward, inp, "cuda", backward=False)
         with s12.pairwise(True):
             pw = checks.run(s12.forward, inp, "cuda", backward=False)
+        with s12.u_halves(False):
+            once = checks.run(s12.forward, inp, "cuda", backward=False)
         ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
         wide, chunks = s12.wide_chunks(log_decay(*(inp[n].double() for n in ("g", "A_log", "dt_bias"))))
-        row = dict(part="accuracy", case=case.id, extreme=case.extreme, wide_chunks=wide, chunks=chunks,
+        row = dict(part="accuracy", case=case.id, gate=case.gate, extreme=case.extreme, wide_chunks=wide, chunks=chunks,
                    o_err=rel_err(got["o"], ref["o"]), S_err=rel_err(got["S"], ref["S"]),
                    finite=bool(torch.isfinite(got["o"]).all() and torch.isfinite(got["S"]).all()),
-                   pairwise_o_err=rel_err(pw["o"], ref["o"]), pairwise_S_err=rel_err(pw["S"], ref["S"]))
+                   pairwise_o_err=rel_err(pw["o"], ref["o"]), pairwise_S_err=rel_err(pw["S"], ref["S"]),
+                   u_once_o_err=rel_err(once["o"], ref["o"]), u_once_S_err=rel_err(once["S"], ref["S"]))
         if fla:
-            f = checks.run(by_heads(fla_forward, 32 if case.K == 128 else 4), inp, "cuda", backward=False)
+            f = checks.run(by_heads(fla_forward, FLA_TUNED_HEADS[case.K]), inp, "cuda", backward=False)
             row.update(fla_o_err=rel_err(f["o"], ref["o"]), fla_S_err=rel_err(f["S"], ref["S"]),
                        fla_finite=bool(torch.isfinite(f["o"]).all() and torch.isfinite(f["S"]).all()))
         say("accuracy " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -222,7 +200,8 @@ def bounded_rows(shapes, on_row) -> None:
         kw = gpu_inputs(**shape, gate="bounded", lower_bound=-5.0)
         with torch.no_grad():
             o11, S11 = s11.forward(**kw)
-            o12, S12 = s12.forward(**kw)
+            with s12.u_halves(False):
+                o12, S12 = s12.forward(**kw)
             with s12.pairwise(True):
                 o_pw, S_pw = s12.forward(**kw)
         equal = bool(torch.equal(o11, o12) and torch.equal(S11, S12))
@@ -243,9 +222,31 @@ def bounded_rows(shapes, on_row) -> None:
 
         on_row(timing_row("bounded", "11_varlen", shape, f11, gate="bounded"))
         on_row(timing_row("bounded", "12_softplus", shape, f12, gate="bounded", products="factored",
-                          equal_to_11=equal))
+                          equal_to_11_without_u_halves=equal))
         on_row(timing_row("bounded", "12_softplus", shape, f12pw, gate="bounded", products="pairwise",
                           rel_diff_vs_11=diff))
+        del kw
+
+
+def u_rows(shapes, on_row) -> None:
+    """Stage 12 with the softplus gate as it runs (u from Af in two bf16 halves) and with
+    u_halves(False), at each shape on the same inputs: the second half's cost."""
+    s12 = load_stage("12")
+    for shape in shapes:
+        kw = gpu_inputs(**shape, gate="softplus")
+        with torch.no_grad():
+            a = s12.forward(**kw)
+            with s12.u_halves(False):
+                b = s12.forward(**kw)
+        diff = max(rel_err(a[0], b[0]), rel_err(a[1], b[1]))
+        del a, b
+        for halves in (True, False):
+            def f(kw=kw, halves=halves):
+                with torch.no_grad(), s12.u_halves(halves):
+                    return s12.forward(**kw)
+
+            on_row(timing_row("u", "12_softplus", shape, f, gate="softplus", u_halves=halves,
+                              **({"rel_diff_vs_once": diff} if halves else {})))
         del kw
 
 
@@ -295,8 +296,10 @@ def main(argv=None) -> int:
             path_rows(shapes, on_row, [int(x) for x in args.segments.split(",") if x])
         elif part == "products":
             product_rows(shapes, on_row)
+        elif part == "u":
+            u_rows(shapes, on_row)
         else:
-            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, products, paths")
+            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, products, paths, u")
     say(f"wrote {out}: {len(rows)} rows")
     return 0
 

@@ -54,6 +54,29 @@ def test_path_names_are_checked_before_anything_runs(sid):
         assert S._path_args(128)["long_from"] == -1  # the rule's, outside the block
 
 
+@pytest.mark.parametrize("pin_sid", [s for s in PATH_STAGES if hasattr(load_stage(s), "u_halves")])
+def test_the_products_and_u_pins_are_checked_and_reach_the_extension(pin_sid):
+    """Stage 12's runtime pins: a wrong value is refused by name; a right one is what the
+    extension is called with inside the block, and the stage's own choice outside it."""
+    S = load_stage(pin_sid)
+    with pytest.raises(TypeError, match="pairwise must be True, False or None, got 1"):
+        with S.pairwise(1):
+            pass
+    with pytest.raises(TypeError, match="u_halves must be True or False, got None"):
+        with S.u_halves(None):
+            pass
+    assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] is True
+    with S.pairwise(True), S.u_halves(False):
+        assert S._path_args(128)["pairwise"] == 1 and S._path_args(128)["u_halves"] is False
+    assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] is True
+
+
+def as_before(S):
+    """Stage 12's u from Af in two halves (``u_halves``) pinned off: the arithmetic of the
+    stages before it, which the bitwise comparisons below hold it to."""
+    return S.u_halves(False) if hasattr(S, "u_halves") else nullcontext()
+
+
 def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):
     from common.inputs import make_inputs
 
@@ -79,10 +102,11 @@ def test_every_path_is_correct_and_equal_to_the_previous_stage(sid, name, case):
         pytest.skip(f"stage {sid} has no path {name}")
     P = load_stage(pid)
     inp = checks.case_inputs(case, "cpu", torch.bfloat16)
-    with S.path(name):
+    with S.path(name), as_before(S):
         got = checks.run(S.forward, inp, "cuda", backward=False)
         # read right after the call: the check below runs the previous stage too, whose launches may replace the log
         kernels = {x["kernel"] for x in S.build().launches()}
+    with S.path(name):
         rows = checks.check_case(S, case, device="cuda")
     assert kernels == (nb.FUSED_KERNELS if name.startswith("fused") else nb.SPLIT_KERNELS), kernels
     bad = [r for r in rows if not r["ok"]]
@@ -110,7 +134,7 @@ def test_split_path_in_short_segments_is_bitwise_stage07(sid, case, seg):
     S = load_stage(sid)
     inp = checks.case_inputs(case, "cuda", torch.bfloat16)
     nt = -(-case.T // 16)
-    with S.path("split1", segment_chunks=seg):
+    with S.path("split1", segment_chunks=seg), as_before(S):
         got = checks.run(S.forward, inp, "cuda", backward=False)
         kernels = [x["kernel"] for x in S.build().launches()]
     assert kernels == ["kda_prepare_kernel", "kda_recurrence_kernel"] * -(-nt // seg), kernels

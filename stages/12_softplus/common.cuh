@@ -327,6 +327,7 @@ struct K1Smem {
   alignas(16) bf16 qd[BT][K + kPad];   // scale * qn * exp(gc)   A of qd @ ki^T
   alignas(16) bf16 v[BT][V + kPad];    // v                      B (transposed view) of Af @ v
   alignas(16) bf16 Af[BT][BT + kPad];  // X * beta[None, :]      A of Af @ kd and Af @ v
+  alignas(16) bf16 Afl[BT][BT + kPad]; // X * beta - Af          A of Afl @ v (u_halves: u's second half)
 };
 
 // Pipeline depth: shared-memory slots in the ring (the load warp runs up to

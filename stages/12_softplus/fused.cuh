@@ -132,10 +132,10 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
       }
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
-      if (twarp == 0) invert(scratch, lane);
+      if (twarp == 0) invert(scratch, lane, p.u_halves);
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
-      w_u<K, V, K + kPad, VC>(scratch, tid, &st.w[0][0], &st.u[0][0], col0);
+      w_u<K, V, K + kPad, VC>(scratch, tid, &st.w[0][0], &st.u[0][0], col0, p.u_halves);
       // release: this thread's writes to the slot are ordered before the compute
       // warps' reads, which wait for all 128 arrivals of the team
       mbar_arrive(&sm.ring.full[n % kStages]);

@@ -22,10 +22,16 @@
 //     products when every dimension decays by at most kFactoredRange = 80 (what the
 //     bounded gate guarantees), the pairwise ones otherwise.
 //
+//   * u in two halves (prepare.cuh, invert and w_u): u = Af @ v with Af = X * beta
+//     split into two bf16, Af_hi + Af_lo, one more MMA per tile of u; u, from which
+//     every state update is built, no longer carries Af's bf16 rounding (the largest
+//     error of the state after vcorr's own rounding, which is on the serial chain).
+//
 // The bounded gate keeps the factored products unless the caller pins pairwise
 // (p.pairwise, the binding's `pairwise`): with it a call computes the same L and Aqk
-// pair by pair in every chunk, which is how the scheme's cost is measured. Nothing
-// else changes: a bounded call without `pairwise` is stage 11's, bitwise.
+// pair by pair in every chunk, which is how the scheme's cost is measured. With
+// p.u_halves = 0 (the binding's `u_halves=False`) u is stage 11's: a bounded call with
+// both left to stage 11's choice is stage 11's, bitwise.
 //
 // Files (one translation unit: kda.cu includes the kernel files):
 //   common.cuh      constants, MMA helpers and fragment moves, vector accesses,
@@ -185,7 +191,7 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
   if (p.pairwise < KDA_PRODUCTS_FACTORED || p.pairwise > KDA_PRODUCTS_AS_NEEDED ||
       (!bounded && p.pairwise == KDA_PRODUCTS_FACTORED))
     return cudaErrorInvalidValue;  // the factored products in every chunk need a bounded gate
-  if (p.beta_mode < 0 || p.beta_mode > 2) return cudaErrorInvalidValue;
+  if (p.beta_mode < 0 || p.beta_mode > 2 || (p.u_halves != 0 && p.u_halves != 1)) return cudaErrorInvalidValue;
   if (p.n_skip < 0 || p.n_skip > KDA_MAX_SKIP || (p.n_skip > 0 && !plan.fused)) return cudaErrorInvalidValue;
   for (int r = 0; r < p.n_skip; ++r)
     if (p.skip_lo[r] < 0 || p.skip_lo[r] >= p.skip_hi[r] || p.skip_hi[r] > p.N) return cudaErrorInvalidValue;

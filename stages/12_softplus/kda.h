@@ -116,6 +116,7 @@ struct KdaFwdParams {
   // ---- the caller's layout and activations (runtime flags, read uniformly by the pre-stage) ----
   int gate_id;        // KDA_GATE_SOFTPLUS, KDA_GATE_BOUNDED or KDA_GATE_LOG
   int pairwise;       // KdaProducts: how L and Aqk are formed
+  int u_halves;       // 1: u = Af_hi @ v + Af_lo @ v (Af in two bf16 halves: u to fp32 accuracy); 0: Af in bf16 once
   int l2norm;         // 1: q, k L2-normalised here; 0: taken as they are
   int beta_mode;      // 0: beta as it is; 1: sigmoid(beta); 2: 2 sigmoid(beta) (FLA's allow_neg_eigval)
   int state_v_first;  // 1: h0, ht are [N, H, V, K]
@@ -124,7 +125,7 @@ struct KdaFwdParams {
   __nv_bfloat16* w;    // [NH, NC, 16, K] Af @ kd                    (A operand of w @ S)
   __nv_bfloat16* krT;  // [NH, NC, K, 16] (kn * exp(glast - gc))^T   (A operand of kr^T @ vcorr)
   __nv_bfloat16* Aqk;  // [NH, NC, 16, 16] lower_incl_diag(qd @ ki^T), or pairwise (A operand of Aqk @ vcorr)
-  float* u;            // [NH, NC, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand)
+  float* u;            // [NH, NC, 16, V] Af @ v  (fp32: only ever subtracted, never an MMA operand; u_halves: Af to fp32 accuracy)
   float* el;           // [NH, NC, K]     exp(glast), at el_index(d)
   // ---- outputs ----
   __nv_bfloat16* o;  // [B, T, H, V]

@@ -581,9 +581,10 @@ __device__ __forceinline__ void products_pairwise(K1Smem<K, V>& sm, const KdaFwd
 //   unrolled, so every index is a compile-time constant) and reads row c of L as
 //   a shared-memory broadcast (all lanes, one address). Rows c < i come out 0 and
 //   row i comes out 1 by themselves. Af[c, i] = X[c, i] * beta[i] leaves straight
-//   from the registers as bf16.
+//   from the registers as bf16; with halves also its rounding error as a second bf16,
+//   Afl = X * beta - Af, so that Af + Afl carries X * beta to about 2^-17 (w_u).
 template <int K, int V>
-__device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane) {
+__device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane, bool halves) {
   const int i = lane & (BT - 1);  // lanes 16-31 repeat lanes 0-15 and store nothing
   float x[BT];
 #pragma unroll
@@ -596,18 +597,26 @@ __device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane) {
   if (lane < BT) {
     const float bi = sm.beta[i];
 #pragma unroll
-    for (int c = 0; c < BT; ++c) sm.Af[c][i] = bf16(x[c] * bi);
+    for (int c = 0; c < BT; ++c) {
+      const float y = x[c] * bi;
+      const bf16 hi = bf16(y);
+      sm.Af[c][i] = hi;
+      if (halves) sm.Afl[c][i] = bf16(y - float(hi));
+    }
   }
 }
 
 // Phase 5: w = Af @ kd -> out_w bf16 [BT, K] (rows LDW apart);  u = Af @ v -> fp32,
 //   columns u_col0 .. u_col0 + UC - 1 of it to out_u [BT, UC] (UC = V: all of them).
+//   With halves u = Af @ v + Afl @ v: one more MMA per tile, and u (which every state
+//   update is built from, vcorr = u - w @ S) no longer carries Af's bf16 rounding; w
+//   keeps Af alone (its rounding moves the errors little: PERF_NOTES, outcome 19).
 //   C(c, d) = sum_j Af(c, j) kd(j, d): the B operand is kd viewed as (d, j) -- the
 //   transposed layout of the same shared array (likewise v). Straight from the
 //   accumulators to the destination (rows of padded tokens are zero: Af's rows and
 //   columns there are zero since beta = 0).
 template <int K, int V, int LDW, int UC>
-__device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, float* out_u, int u_col0) {
+__device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, float* out_u, int u_col0, bool halves) {
   TiledMma4 mma;
   auto thr_mma = mma.get_slice(tid);
   Tensor sAf = smem_rows<BT, BT, BT + kPad>(&sm.Af[0][0]);     // (BT,BT)  (c, j)
@@ -628,6 +637,7 @@ __device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, floa
   Tensor accU = thr_mma.partition_fragment_C(cU);             // (MMA,MMA_M,MMA_N)
   clear(accU);
   mma_smem<SM75_U16x4_LDSM_T>(mma, tid, sAf, sVT, accU);
+  if (halves) mma_smem<SM75_U16x4_LDSM_T>(mma, tid, smem_rows<BT, BT, BT + kPad>(&sm.Afl[0][0]), sVT, accU);
   CUTE_UNROLL
   for (int e = 0; e < size(accU); ++e) {
     const int c = get<0>(tCcU(e)), vd = get<1>(tCcU(e)) - u_col0;
@@ -676,10 +686,10 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
   }
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRODUCTS, tp);
-  if (warp == 0) invert(sm, lane);
+  if (warp == 0) invert(sm, lane, p.u_halves);
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_INVERSE, tp);
-  w_u<K, V, K, V>(sm, tid, reinterpret_cast<bf16*>(p.w) + slot * BT * K, p.u + slot * BT * V, 0);
+  w_u<K, V, K, V>(sm, tid, reinterpret_cast<bf16*>(p.w) + slot * BT * K, p.u + slot * BT * V, 0, p.u_halves);
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_WU, tp);
 }
 

@@ -6,10 +6,12 @@ by pair with each pair's decay exp(gc_i - gc_j) <= 1 (``products_pairwise`` in
 prepare.cuh), where stages 05-11 factor them through exp(-gc), which overflows
 without a bound. A chunk goes pair by pair only when one of its key dimensions decays
 by more than FACTORED_RANGE within it (``wide_chunks`` counts them); the rest keep
-the factored products. Everything else is stage 11's: packed sequences, the state in
-either layout, the caller's activations (for the op), and the bounded gate with the
-factored products, bitwise. ``pairwise(True)`` pins the pairwise products in every
-chunk, for any gate (the measurement of what they cost); ``path`` pins one path.
+the factored products. u = Af @ v is formed with Af in two bf16 halves (u to fp32
+accuracy: the state's error falls by about a sixth). Everything else is stage 11's:
+packed sequences, the state in either layout, the caller's activations (for the op).
+``pairwise(True)`` pins the pairwise products in every chunk, for any gate (the
+measurement of what they cost); ``u_halves(False)`` forms u as stage 11 (with the
+factored products: stage 11's bits); ``path`` pins one path.
 """
 
 from pathlib import Path
@@ -51,8 +53,8 @@ SPEC = StageSpec(
     extra={"cutlass": True, "min_sm": 80},
 )
 
-# No build switches: the stage's one idea is a runtime choice (``pairwise``), so that the
-# bounded gate can run either way in one build; stage 10's switches are stage 10's.
+# No build switches: the stage's ideas are runtime choices (``pairwise``, ``u_halves``), so
+# that each runs either way in one build on the same inputs; stage 10's switches are stage 10's.
 ABLATIONS = ()
 
 
@@ -149,6 +151,7 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
 _PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
+_U_HALVES: ContextVar = ContextVar("u_halves_pin", default=True)  # u from Af in two bf16 halves (u_halves)
 
 
 def path_error(name, V):
@@ -202,7 +205,7 @@ def _path_args(V) -> dict:
     fused, ncw = PATHS[name] if name is not None else (-1, 0)
     pw = _PAIRWISE.get()
     return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0, pairwise=-1 if pw is None else int(pw),
-                long_from=-1 if long_from is None else long_from)
+                long_from=-1 if long_from is None else long_from, u_halves=_U_HALVES.get())
 
 
 def _check_pairwise(pin, c):
@@ -225,6 +228,21 @@ def pairwise(on=True):
         yield
     finally:
         _PAIRWISE.reset(token)
+
+
+@contextmanager
+def u_halves(on=True):
+    """Pin how the calls inside the block form u = Af @ v: True (the default) with Af in two
+    bf16 halves, Af_hi + Af_lo, so that u, from which every state update is built, carries
+    no bf16 rounding of Af; False with Af rounded to bf16 once, as stages 05-11 (on the
+    bounded gate with the factored products: stage 11's bits)."""
+    if not isinstance(on, bool):
+        raise TypeError(f"u_halves must be True or False, got {on!r}")
+    token = _U_HALVES.set(on)
+    try:
+        yield
+    finally:
+        _U_HALVES.reset(token)
 
 
 def frag_check(A, X):
