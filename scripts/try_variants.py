@@ -1,4 +1,4 @@
-"""The last stage (09) built several ways, timed side by side in one GPU call: the
+"""A stage (the last, 12, unless --stage says) built several ways, timed side by side in one GPU call: the
 experiments behind docs/PERF_NOTES.md (one question per call, every candidate
 measured beside the stage as it is, on the same inputs).
 
@@ -8,7 +8,7 @@ kda.cu replaced by another file (an experiment not yet in the stage):
     python scripts/try_variants.py \\
         --variants "regs120:KDA_PREP_REGS=120; ldsmb:@.exp/ldsmb.cu" \\
         --cases "fused8:B8 T1024 H64 K128 V128; fused4:B1 T8192 H64 K128 V128" \\
-        [--profile] [--out $OUT/variants.json]
+        [--stage 12] [--gate softplus] [--profile] [--out $OUT/variants.json]
 
 The stage itself ("stage") is always the first variant. Every variant is built
 in its own process (in parallel), then each case runs with the path pinned:
@@ -33,10 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from common import bench  # noqa: E402
 from common.build import load_extension  # noqa: E402
+from common.inputs import make_inputs  # noqa: E402
 from common.results import metadata  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
-STAGE = "10"  # the last stage: its variants are the candidates for the next change
+STAGE = "12"  # the last stage: its variants are the candidates for the next change
 WORK = ROOT / "build" / "variants"  # copies of the stage's sources for file variants
 
 
@@ -85,13 +86,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="")
     p.add_argument("--cases", default="fused8:B8 T1024 H64 K128 V128")
+    p.add_argument("--stage", default=STAGE, help="the stage whose variants these are (default: the last)")
+    p.add_argument("--gate", default="bounded", choices=("bounded", "softplus"),
+                   help="the inputs' gate: bounded (common.bench.path_inputs) or softplus (same seed and shapes)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--budget", type=float, default=0.4)
     p.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp/kdalab-out")) / "variants.json"))
     p.add_argument("--build-only", default=None, help="(internal) build this one variant and exit")
     args = p.parse_args(argv)
     variants = parse_variants(args.variants)
-    stage = load_stage(STAGE)
+    stage = load_stage(args.stage)
 
     if args.build_only is not None:
         name, src, defs = next(v for v in variants if v[0] == args.build_only)
@@ -100,7 +104,8 @@ def main(argv=None) -> int:
         return 0
 
     t0 = time.time()
-    procs = [(v[0], subprocess.Popen([sys.executable, __file__, "--variants", args.variants, "--build-only", v[0]]
+    procs = [(v[0], subprocess.Popen([sys.executable, __file__, "--stage", args.stage, "--variants", args.variants,
+                                      "--build-only", v[0]]
                                      + (["--profile"] if args.profile else []), cwd=ROOT))
              for v in variants]
     failed = [n for n, pr in procs if pr.wait() != 0]
@@ -112,7 +117,10 @@ def main(argv=None) -> int:
     rows, meta = [], metadata(command="python scripts/try_variants.py " + " ".join(argv or sys.argv[1:]))
     own_build = stage.build
     for path, shape in parse_cases(args.cases):
-        kw = bench.path_inputs(shape)
+        # a fresh allocation per case (list a case twice to see whether the time depends on where it lies)
+        kw = (bench.path_inputs(shape) if args.gate == "bounded" else
+              make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
+                          device="cuda", gate="softplus", chunk_size=16))
         ref = None
         for name, src, defs in variants:
             if name in failed:
