@@ -9,7 +9,7 @@ from common.stages import STAGE_DIRS, lesson_source, load_stage, stage_ids, stri
 from common.paths import STAGES_DIR
 
 # stage.py constant -> the constexpr of the stage's sources it mirrors
-MIRRORED = {"PREP_TEAMS": "kPrepTeams", "SEGMENT_CHUNKS": "kSegmentChunks"}
+MIRRORED = {"PREP_TEAMS": "kPrepTeams", "SEGMENT_CHUNKS": "kSegmentChunks", "LONE_RING64": "kLoneStages64"}
 
 
 def _sources(sid) -> str:

@@ -72,9 +72,9 @@ def test_the_products_and_u_pins_are_checked_and_reach_the_extension(pin_sid):
 
 
 def as_before(S):
-    """Stage 12's u from Af in two halves (``u_halves``) pinned off: the arithmetic of the
-    stages before it, which the bitwise comparisons below hold it to."""
-    return S.u_halves(False) if hasattr(S, "u_halves") else nullcontext()
+    """The stage's pins to the arithmetic of the stages before it (stage 12: u from Af
+    rounded once, ``as_previous``), which the bitwise comparisons below hold it to."""
+    return S.as_previous() if hasattr(S, "as_previous") else nullcontext()
 
 
 def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):
@@ -205,6 +205,37 @@ def test_rule_split_width_at_v128(sid):
         S.forward(**inp)
         k2 = [x for x in S.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
         assert len(k2) == 1 and k2[0]["grid"] == H * 128 // (16 * S.SPLIT_NCW_V128), (H, S.build().launches())
+
+
+@gpu
+@pytest.mark.parametrize("sid", [s for s in PATH_STAGES if hasattr(load_stage(s), "LONE_RING64")])
+def test_k64_ring_is_deeper_where_each_k2_block_has_an_sm(sid):
+    """At K = 64, K2's ring has LONE_RING64 slots where its blocks fit on the SMs one each
+    (3 heads), 4 where they do not (as many heads as SMs): read from the launch log's
+    dynamic shared memory (S slots and two barriers each), and the depth changes no bit
+    (the 3 heads' outputs bitwise those of the same heads inside the larger call)."""
+    from common.inputs import make_inputs
+
+    S = load_stage(sid)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    big = make_inputs(2, 100, sms, 64, 64, seed=3, dtype=torch.bfloat16, device="cuda", gate="softplus", chunk_size=16)
+    small = dict(big)
+    for name in ("q", "k", "v", "g"):
+        small[name] = big[name][:, :, :3].contiguous()
+    small.update(beta=big["beta"][:, :, :3].contiguous(), A_log=big["A_log"][:3].contiguous(),
+                 dt_bias=big["dt_bias"][:3].contiguous(), initial_state=big["initial_state"][:, :3].contiguous())
+    got = {}
+    for name, kw in (("small", small), ("big", big)):
+        with torch.no_grad(), S.path("split2"):
+            o, ht = S.forward(**kw)
+        k2 = [x for x in S.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
+        assert len(k2) == 1, S.build().launches()
+        got[name] = (o[:, :, :3], ht[:, :3], k2[0])
+    slots = {"small": S.LONE_RING64, "big": 4}  # common.cuh kStagesFor<64> = 4
+    assert got["small"][2]["grid"] <= sms < got["big"][2]["grid"], (got["small"][2], got["big"][2])
+    per_slot = {n: got[n][2]["dynamic_smem"] / slots[n] for n in got}
+    assert per_slot["small"] == per_slot["big"], (got["small"][2], got["big"][2])
+    assert torch.equal(got["small"][0], got["big"][0]) and torch.equal(got["small"][1], got["big"][1])
 
 
 @gpu

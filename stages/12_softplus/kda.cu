@@ -63,14 +63,27 @@ namespace kda_stage {
 // ---------------------------------------------------------------------------
 
 
+template <int K, int V, int NCW, int S>
+cudaError_t launch_recurrence_ring(const KdaFwdParams& p, long long blocks, cudaStream_t stream) {
+  const size_t smem = sizeof(K2Smem<K, NCW, S>);
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_recurrence_kernel<K, V, NCW, S>, smem));
+  kda_note_launch("kda_recurrence_kernel", (const void*)kda_recurrence_kernel<K, V, NCW, S>, dim3((unsigned)blocks), dim3(32 * (NCW + 1)), smem);
+  kda_recurrence_kernel<K, V, NCW, S><<<(unsigned)blocks, 32 * (NCW + 1), smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// K2 with the ring of kStagesFor<K> slots, or at K = 64, where every block has an SM to
+// itself (blocks <= SMs), kLoneStages64.
 template <int K, int V, int NCW>
 cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));
-  const size_t smem = sizeof(K2Smem<K, NCW>);
-  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_recurrence_kernel<K, V, NCW>, smem));
-  kda_note_launch("kda_recurrence_kernel", (const void*)kda_recurrence_kernel<K, V, NCW>, dim3((unsigned)blocks), dim3(32 * (NCW + 1)), smem);
-  kda_recurrence_kernel<K, V, NCW><<<(unsigned)blocks, 32 * (NCW + 1), smem, stream>>>(p);
-  return cudaGetLastError();
+  if constexpr (K == 64) {
+    int dev = 0, sms = 0;
+    KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+    KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    if (blocks <= sms) return launch_recurrence_ring<K, V, NCW, kLoneStages64>(p, blocks, stream);
+  }
+  return launch_recurrence_ring<K, V, NCW, kStagesFor<K>>(p, blocks, stream);
 }
 
 template <int K, int V, int NCW>

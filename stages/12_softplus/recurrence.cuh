@@ -161,20 +161,20 @@ __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const Kda
 // count = min(NC, NT_i - n0) of them. A block whose sequence ended before the
 // segment (count <= 0, n0 > 0) returns at once: ht already holds its final state.
 // In the first segment (n0 = 0) an empty sequence (count 0) still writes ht = h0 (or 0).
-// grid = NH*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice),
+// grid = NH*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice), S slots in the ring,
 // block = 32 * (NCW + 1) threads: warps 0 .. NCW-1 compute (warp w owns columns
 // col0 + 16w .. col0 + 16w + 15), warp NCW loads. dynamic smem = sizeof(K2Smem).
 // Profile: slot = block index; compute warp 0's lane 0 times the compute
 // regions, the load warp's lane 0 the load-warp regions.
 // ---------------------------------------------------------------------------
-template <int K, int V, int NCW>
+template <int K, int V, int NCW, int S>
 __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __grid_constant__ KdaFwdParams p) {
   constexpr int VC = VW * NCW;               // value columns per block
   constexpr int NS = V / VC;                 // column slices per head
-  constexpr int kStages = kStagesFor<K>;
+  constexpr int kStages = S;                 // the ring's slots
   static_assert(K % 16 == 0 && V % VC == 0, "K multiple of 16, V multiple of 16 * NCW");
   extern __shared__ __align__(16) unsigned char kda_smem[];
-  K2Smem<K, NCW>& sm = *reinterpret_cast<K2Smem<K, NCW>*>(kda_smem);
+  K2Smem<K, NCW, S>& sm = *reinterpret_cast<K2Smem<K, NCW, S>*>(kda_smem);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int bh = (int)(blockIdx.x / NS), col0 = (int)(blockIdx.x % NS) * VC;

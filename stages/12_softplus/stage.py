@@ -145,6 +145,11 @@ PREP_TEAMS = 2
 # number of heads (re-measured here where the serial chain binds; a GPU test counts K2's grid).
 SPLIT_NCW_V128 = 2
 
+# K2's ring at K = 64 where each K2 block has an SM to itself (blocks <= SMs): this many
+# slots instead of 4 (common.cuh kLoneStages64; a test compares, a GPU test reads K2's
+# shared memory in the launch log).
+LONE_RING64 = 12
+
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
 
@@ -243,6 +248,13 @@ def u_halves(on=True):
         yield
     finally:
         _U_HALVES.reset(token)
+
+
+def as_previous():
+    """The pins under which this stage computes what stage 11 computes on the bounded gate
+    (u from Af rounded once): what the comparisons with stage 11 hold it to, bit for bit on
+    the split path (common.bench.path_rows, tests/test_stage_paths.py)."""
+    return u_halves(False)
 
 
 def frag_check(A, X):
