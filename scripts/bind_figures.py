@@ -54,6 +54,9 @@ NOT_MEASURED = {
     ("stages/04_warp/README.md", "gradients at 1.03e-5 from fp64"): "the figure of a report (issue 22), not reproduced",
     ("stages/04_warp/README.md", "h0), 8.5e-6 before"): "the figure of a report (issue 22), not reproduced",
     ("docs/PERF_NOTES.md", "0.7-1.0 ms at long+short"): "a prediction before the hybrid's first call",
+    ("docs/PERF_NOTES.md", "(59.7-62 us, sometimes 67.8 us)"): "session 14's notes (outcome 19); its records did not reach results/",
+    ("docs/PERF_NOTES.md", "stays at 93-97 us"): "session 14's notes (outcome 19); its records did not reach results/",
+    ("docs/PERF_NOTES.md", "cost 27% at K = 64"): "session 14's notes (outcome 19); its records did not reach results/",
 }
 
 # Evidence below which a proposed entry is marked for review: a figure of two significant digits (a
