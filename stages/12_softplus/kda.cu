@@ -73,15 +73,18 @@ cudaError_t launch_recurrence_ring(const KdaFwdParams& p, long long blocks, cuda
 }
 
 // K2 with the ring of kStagesFor<K> slots, or at K = 64, where every block has an SM to
-// itself (blocks <= SMs), kLoneStages64.
+// itself (blocks <= SMs) and the deeper ring fits a block's shared memory (up to 154 KB: an
+// sm_90 or sm_80 part, not sm_86 or sm_89's 99 KB), kLoneStages64.
 template <int K, int V, int NCW>
 cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));
   if constexpr (K == 64) {
-    int dev = 0, sms = 0;
+    int dev = 0, sms = 0, optin = 0;
     KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
     KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    if (blocks <= sms) return launch_recurrence_ring<K, V, NCW, kLoneStages64>(p, blocks, stream);
+    KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (blocks <= sms && sizeof(K2Smem<K, NCW, kLoneStages64>) <= (size_t)optin)
+      return launch_recurrence_ring<K, V, NCW, kLoneStages64>(p, blocks, stream);
   }
   return launch_recurrence_ring<K, V, NCW, kStagesFor<K>>(p, blocks, stream);
 }
