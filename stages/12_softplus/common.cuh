@@ -335,7 +335,7 @@ struct K1Smem {
 template <int K>
 constexpr int kStagesFor = K <= 64 ? 4 : 3;
 // K2's ring at K = 64 where each block has an SM to itself (blocks <= SMs: few heads, the
-// serial chain binds): three times deeper, 11 chunks ahead (NCW = 2: 154 KB), so that the
+// serial chain binds): three times deeper, 11 chunks ahead (NCW = 2: 129,216 bytes), so that the
 // workspace's loads hide behind a K = 64 chunk's short step of the chain (measured: 1.06-1.13x
 // at B2 T2048 H4 K64; 8 slots at K = 128 were slower, so K = 128 keeps its 3).
 // results/h200/stage12/ring_d802487.json.

@@ -163,7 +163,7 @@ __device__ __forceinline__ void recurrence_warp(K2Smem<K, NCW, S>& sm, const Kda
 // In the first segment (n0 = 0) an empty sequence (count 0) still writes ht = h0 (or 0).
 // grid = NH*V/(16*NCW) blocks (block = bh * (V / (16*NCW)) + slice), S slots in the ring,
 // block = 32 * (NCW + 1) threads: warps 0 .. NCW-1 compute (warp w owns columns
-// col0 + 16w .. col0 + 16w + 15), warp NCW loads. dynamic smem = sizeof(K2Smem).
+// col0 + 16w .. col0 + 16w + 15), warp NCW loads. dynamic smem = sizeof(K2Smem<K, NCW, S>).
 // Profile: slot = block index; compute warp 0's lane 0 times the compute
 // regions, the load warp's lane 0 the load-warp regions.
 // ---------------------------------------------------------------------------
