@@ -71,12 +71,15 @@ def progress_bar(items, desc: str, unit: str):
     return tqdm(items, desc=desc, unit=unit, leave=False, file=sys.stdout, ncols=90, mininterval=1.0, delay=5.0)
 
 
-def path_inputs(shape: dict, device="cuda") -> dict:
+def path_inputs(shape: dict, device="cuda", gate="bounded") -> dict:
     """The inputs of every path measurement of a stage with several paths (:func:`path_rows`, the
-    notebook's live profile, scripts/ncu_case.py, scripts/try_variants.py): seed 0, bf16, bounded
-    gate (lower bound -5), chunk 16."""
+    notebook's live profile, scripts/ncu_case.py, scripts/try_variants.py): seed 0, bf16, chunk 16,
+    the bounded gate (lower bound -5) or ``gate="softplus"`` (no bound)."""
+    if gate not in ("bounded", "softplus"):
+        raise ValueError(f"gate must be 'bounded' or 'softplus', got {gate!r}")
+    bound = {"lower_bound": -5.0} if gate == "bounded" else {}
     return make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
-                       device=device, gate="bounded", lower_bound=-5.0, chunk_size=16)
+                       device=device, gate=gate, chunk_size=16, **bound)
 
 
 LONG_CALL_S = 0.05  # above this, launch overhead is noise: no graph replay, fewer repetitions
@@ -350,7 +353,7 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
                     with torch.no_grad():
                         return fwd(**kw)
                 ours = who == stage.SPEC.id
-                with (stage.as_previous() if ours and hasattr(stage, "as_previous") else nullcontext()):
+                with (stage.as_previous() if ours else nullcontext()):
                     o, S = f()
                 if ours:  # read right after the call: a later call replaces the launch log
                     row["kernels"] = [x["kernel"] for x in stage.build().launches()]

@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT))
 
 from common import bench  # noqa: E402
 from common.build import load_extension  # noqa: E402
-from common.inputs import make_inputs  # noqa: E402
 from common.results import metadata  # noqa: E402
 from common.stages import load_stage  # noqa: E402
 
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="fused8:B8 T1024 H64 K128 V128")
     p.add_argument("--stage", default=STAGE, help="the stage whose variants these are (default: the last)")
     p.add_argument("--gate", default="bounded", choices=("bounded", "softplus"),
-                   help="the inputs' gate: bounded (common.bench.path_inputs) or softplus (same seed and shapes)")
+                   help="the inputs' gate (common.bench.path_inputs)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--budget", type=float, default=0.4)
     p.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp/kdalab-out")) / "variants.json"))
@@ -118,9 +117,7 @@ def main(argv=None) -> int:
     own_build = stage.build
     for path, shape in parse_cases(args.cases):
         # a fresh allocation per case (list a case twice to see whether the time depends on where it lies)
-        kw = (bench.path_inputs(shape) if args.gate == "bounded" else
-              make_inputs(shape["B"], shape["T"], shape["H"], shape["K"], shape["V"], seed=0, dtype=torch.bfloat16,
-                          device="cuda", gate="softplus", chunk_size=16))
+        kw = bench.path_inputs(shape, gate=args.gate)
         ref = None
         for name, src, defs in variants:
             if name in failed:

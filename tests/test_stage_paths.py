@@ -18,6 +18,7 @@ from common import checks
 from common import notebook as nb  # the notebook's paths check holds every path to the same promises
 from common.metrics import rel_err
 from common.stages import load_stage, path_stages, previous, selected_ids
+from common.stages import stage as ladder_stage
 
 PATH_STAGES = selected_ids(path_stages())  # 08-12: every stage with PATHS (KDALAB_STAGES=12: one of them)
 FUSED_STAGES = [s for s in PATH_STAGES if "fused8" in load_stage(s).PATHS]
@@ -73,8 +74,9 @@ def test_the_products_and_u_pins_are_checked_and_reach_the_extension(pin_sid):
 
 def as_before(S):
     """The stage's pins to the arithmetic of the stages before it (stage 12: u from Af
-    rounded once, ``as_previous``), which the bitwise comparisons below hold it to."""
-    return S.as_previous() if hasattr(S, "as_previous") else nullcontext()
+    rounded once; common.stages.Stage.as_previous), which the bitwise comparisons below
+    hold it to."""
+    return ladder_stage(S).as_previous()
 
 
 def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):
@@ -236,9 +238,8 @@ def test_k64_ring_is_deeper_where_each_k2_block_has_an_sm(sid):
     per_slot = got["big"][2]["dynamic_smem"] / 4  # common.cuh kStagesFor<64> = 4
     optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", None)
     deep_fits = optin is None or per_slot * S.LONE_RING64 <= optin  # sm_86 / sm_89 (99 KB) keep 4 slots
-    slots = {"small": S.LONE_RING64 if deep_fits else 4, "big": 4}
-    per_slot = {n: got[n][2]["dynamic_smem"] / slots[n] for n in got}
-    assert per_slot["small"] == per_slot["big"], (got["small"][2], got["big"][2])
+    want = S.LONE_RING64 if deep_fits else 4
+    assert got["small"][2]["dynamic_smem"] == per_slot * want, (got["small"][2], got["big"][2])
     assert torch.equal(got["small"][0], got["big"][0]) and torch.equal(got["small"][1], got["big"][1])
 
 
