@@ -36,6 +36,10 @@ if spec.compute_dtype == torch.bfloat16:
     # B*H*V/32 fills the GPU twice over, so both variants run under the sanitizer
     kw2 = checks.stage_inputs(spec, 2, 40, 70, K, V, seed=1, device="cuda")
     res.update({k + " (B*H = 140)": v for k, v in checks.run(stage.forward, kw2, "cuda", backward=False).items()})
+lone = getattr(stage, "LONE_RING64", None)
+if lone:  # K = 64 with few heads: K2's deeper ring (its blocks fit the SMs), every slot reused twice over
+    kw3 = checks.stage_inputs(spec, 1, 16 * (2 * lone + 3), 2, 64, 64, seed=4, device="cuda")
+    res.update({k + " (deep ring wraps)": v for k, v in checks.run(stage.forward, kw3, "cuda", backward=False).items()})
 if getattr(stage, "PATHS", None):  # a stage with several paths (08, 09): each one, pinned, at K = V = 64 and 128
     kw128 = checks.stage_inputs(spec, 1, 40, 2, 128, 128, seed=2, device="cuda")  # a tail chunk too
     for name, (_, ncw) in stage.PATHS.items():

@@ -73,8 +73,8 @@ cudaError_t launch_recurrence_ring(const KdaFwdParams& p, long long blocks, cuda
 }
 
 // K2 with the ring of kStagesFor<K> slots, or at K = 64, where every block has an SM to
-// itself (blocks <= SMs) and the deeper ring fits a block's shared memory (129,216 bytes at
-// NCW = 2: an sm_90 or sm_80 part, not sm_86 or sm_89 with 99 KB), kLoneStages64.
+// itself (blocks <= SMs) and the deeper ring fits a block's shared memory (86,144 bytes at
+// NCW = 2: not on parts with less per block), kLoneStages64.
 template <int K, int V, int NCW>
 cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));

@@ -148,7 +148,7 @@ SPLIT_NCW_V128 = 2
 # K2's ring at K = 64 where each K2 block has an SM to itself (blocks <= SMs): this many
 # slots instead of 4 (common.cuh kLoneStages64; a test compares, a GPU test reads K2's
 # shared memory in the launch log).
-LONE_RING64 = 12
+LONE_RING64 = 8
 
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
