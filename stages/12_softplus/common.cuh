@@ -337,7 +337,7 @@ constexpr int kStagesFor = K <= 64 ? 4 : 3;
 // K2's ring at K = 64 where each block has an SM to itself (blocks <= SMs: few heads, the
 // serial chain binds): twice deeper, 7 chunks ahead (NCW = 2: 86,144 bytes), so that the
 // workspace's loads hide behind a K = 64 chunk's short step of the chain (measured at B2 T2048
-// H4 K64: 60.4-60.8 us against 63.2-70.9 with 4 slots; 12 slots were 2-4% faster still, but
+// H4 K64: 60.4-60.8 us against 63.2-70.9 with 4 slots; 12 slots were 3-4% faster still, but
 // compute-sanitizer racecheck reported hazards between the ring's copies and its reads there
 // that it did not report at 4, 6, 7 or 8 slots; 8 slots at K = 128 were slower, so K = 128
 // keeps its 3). results/h200/stage12/ring_d802487.json, ring_race_25a6d0c.json.

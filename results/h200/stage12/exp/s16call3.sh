@@ -14,5 +14,5 @@ timeout 200 python3 scripts/bench_softplus.py --parts speed --shapes 5 --repeat 
 savetune; grep -v "^\[kdalab\]" $OUT/speed_k64.txt | tail -6
 echo "== tests"; date
 KDALAB_STAGES=12 timeout ${PT:-200} python3 -m pytest -v -p no:cacheprovider -o addopts= -m gpu tests/test_stage_paths.py tests/test_op_gpu.py \
-  -k 'k64_ring or path_rows or softplus_gate or unbounded or fp64_reference or packed_equals or opcheck' > $OUT/pytest.txt 2>&1; echo "rc=$?" >> $OUT/pytest.txt
+  -k "${PK:-k64_ring or path_rows}" > $OUT/pytest.txt 2>&1; echo "rc=$?" >> $OUT/pytest.txt
 grep -cE "PASSED" $OUT/pytest.txt; grep -E "FAILED|ERROR|passed|failed|rc=" $OUT/pytest.txt | tail -15; date
