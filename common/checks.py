@@ -289,10 +289,6 @@ def stage_device(spec, want=None) -> torch.device:
     raise RuntimeError(f"stage {spec.name} cannot run here: {spec.runnable_here()[1]}")
 
 
-def precision(spec) -> str:
-    return "bf16" if spec.compute_dtype == torch.bfloat16 else "fp32"
-
-
 def check_case(stage, case: Case, *, device=None, backward=None, against_prev=True, prev=_DEFAULT,
                ref_device=None) -> list[dict]:
     """Errors of one stage on one case: a row per output (o, S, gradients) with
@@ -319,12 +315,12 @@ def check_case(stage, case: Case, *, device=None, backward=None, against_prev=Tr
     if prev is not None:
         pdev = stage_device(prev.SPEC, dev)
         pres = run(prev.forward, inp, pdev, backward=backward and prev.SPEC.backward, cotangents=cot)
-    tol = tolerance(precision(spec))
     scales = reduction_scales(inp, cot) if backward else {}
     rows = []
     for name, x in got.items():
         if x is None and ref[name] is None:
             continue  # an absent input (no h0) has no gradient on either side
+        tol = spec.tol(name)
         sc = scales.get(name)
         r = math.inf if x is None or ref[name] is None else _err(x, ref[name], sc)
         p = None
@@ -340,10 +336,11 @@ def check_against_fla(stage, case: Case) -> list[dict]:
     """o and the final state of a stage against FLA's chunk_kda on the same bf16
     inputs (GPU, fla-core installed). A row carries the stage's error against
     FLA (``err_fla``) and FLA's own error against the fp64 reference
-    (``fla_err_ref``), which must be within the bf16 tolerance too. Both sides
-    carry their own bf16 roundings (o is rounded to bf16 by each), so the two
-    are held to the sum of their bounds: |stage - FLA| <= |stage - ref| +
-    |ref - FLA|, 2 x the bf16 tolerance (``tol_fla``)."""
+    (``fla_err_ref``), which must be within the bf16 regime's bound
+    (common.metrics.TOLERANCE). Both sides carry their own bf16 roundings (o is
+    rounded to bf16 by each), so the two are held to the sum of their bounds:
+    |stage - FLA| <= |stage - ref| + |ref - FLA|, the stage's tolerance plus
+    that bound (``tol_fla``)."""
     from .fla_ref import fla_available, fla_forward
 
     ok, why = fla_available()
@@ -355,12 +352,13 @@ def check_against_fla(stage, case: Case) -> list[dict]:
     got = run(stage.forward, inp, "cuda", backward=False)
     fla = run(fla_forward, inp, "cuda", backward=False)
     ref = run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
-    tol = tolerance(precision(spec))
+    bound = tolerance("bf16")
     rows = []
     for name in ("o", "S"):
         e, f = rel_err(got[name], fla[name]), rel_err(fla[name], ref[name])
+        tol = spec.tol(name)
         rows.append(dict(stage=spec.name, case=case.id, output=name, against="FLA chunk_kda", err_fla=e,
-                         fla_err_ref=f, tol_fla=2 * tol, tol=tol, ok=e <= 2 * tol and f <= tol))
+                         fla_err_ref=f, tol_fla=tol + bound, tol=bound, ok=e <= tol + bound and f <= bound))
     return rows
 
 
@@ -424,7 +422,7 @@ def check_deterministic(stage, case: Case, device=None) -> bool:
 
 def check_chunk_sizes(stage, case: Case, chunks=(16, 32), device=None) -> dict:
     """o and S of one case at two chunk sizes (``case.chunk`` is replaced):
-    {"err": {chunk: {"o": err_ref, "S": err_ref}}, "equal": bool, "tol": tol}.
+    {"err": {chunk: {"o": err_ref, "S": err_ref}}, "equal": bool, "tol": {"o": tol, "S": tol}}.
 
     Two chunkings sum in a different order, so their outputs differ in the
     last bits; ``equal`` (o and S bitwise equal at both sizes) says that the
@@ -442,7 +440,8 @@ def check_chunk_sizes(stage, case: Case, chunks=(16, 32), device=None) -> dict:
         out[bt] = got
         err[bt] = {n: rel_err(got[n], ref[n]) for n in ("o", "S")}
     a, b = (out[bt] for bt in chunks)
-    return dict(err=err, equal=all(torch.equal(a[n], b[n]) for n in ("o", "S")), tol=tolerance(precision(stage.SPEC)))
+    return dict(err=err, equal=all(torch.equal(a[n], b[n]) for n in ("o", "S")),
+                tol={n: stage.SPEC.tol(n) for n in ("o", "S")})
 
 
 def summarize(rows) -> list[dict]:
@@ -776,11 +775,11 @@ def check_varlen(stage, case: VarlenCase, *, device=None, per_seq="self", ref_de
     pres = None
     if cmp is not None:
         pres = run_per_sequence(cmp.forward, inp, stage_device(cmp.SPEC, dev))
-    tol = tolerance(precision(spec))
-    tol_seq = VARLEN_SEQ_TOL_FACTOR * tol
     b = case.bounds()
     rows = []
     for name in ("o", "S"):
+        tol = spec.tol(name)
+        tol_seq = VARLEN_SEQ_TOL_FACTOR * tol
         x = got[name]
         r = _whole_err(x, ref[name])
         rs, ws = _worst_sequence(name, x, ref[name], b)

@@ -19,6 +19,7 @@ torch is imported only by the commands that need it, so ``--help`` is quick.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -327,7 +328,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+REEXEC_ENV = "KDALAB_CHECKOUT"  # set when the command line has moved to the checkout it was started in
+
+
+def _run_this_checkout() -> None:
+    """Started inside another checkout than the one installed (a second clone sharing a virtual
+    environment): run that checkout's command line instead, so that `kdalab check 01` checks the tree
+    it is typed in. Returns only where this is already the right checkout."""
+    from .paths import REPO_ROOT, checkout_of
+
+    here = checkout_of(Path.cwd())
+    if here is None or here == REPO_ROOT.resolve() or os.environ.get(REEXEC_ENV) == str(here):
+        return
+    print(f"kdalab: running the checkout at {here} (the current directory), not the installed {REPO_ROOT}",
+          file=sys.stderr, flush=True)
+    env = dict(os.environ, **{REEXEC_ENV: str(here)})
+    env["PYTHONPATH"] = os.pathsep.join([str(here)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    os.execve(sys.executable, [sys.executable, "-m", "common.cli", *sys.argv[1:]], env)
+
+
 def main(argv=None) -> int:
+    if argv is None:  # the console script (`kdalab ...`), not a call from Python
+        _run_this_checkout()
     try:
         args = parser().parse_args(argv)
         return args.fn(args)

@@ -27,7 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .metrics import TOLERANCE
+
 GATES = ("softplus", "bounded")
+OUTPUTS = ("o", "S")  # what a forward returns, as the checks name it
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")  # and a backward
 GATE_ID = {"softplus": 0, "bounded": 1}
 DEFAULT_LOWER_BOUND = -5.0
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,12 +55,31 @@ class StageSpec:
     varlen: bool = False  # takes cu_seqlens (packed sequences) and state_v_first (the state [N, H, V, K])
     regions: tuple = ()  # profile region names, in kernel order
     region_unit: str = "s"  # "s" (CPU wall time) or "cycles" (clock64)
+    # output name ("o", "S", "dq", ... "dinitial_state") -> the relative error a check may reach, set at the
+    # level the stage's check cases reach (at most 10x their worst: tests/test_tolerances.py holds it there)
+    tolerance: dict = field(default_factory=dict)
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         return self.name[:2]
+
+    @property
+    def outputs(self) -> tuple:
+        """The outputs a check compares: o and the final state, and with a backward every gradient."""
+        return OUTPUTS + (GRADIENTS if self.backward else ())
+
+    def tol(self, output: str) -> float:
+        """The relative error a check of ``output`` may reach on this stage. A stage of the ladder declares
+        one per output (tests/test_tolerances.py); a stand-in that declares none (a planted stage, a test's
+        spec) is held to its precision's bound (common.metrics.TOLERANCE)."""
+        if output in self.tolerance:
+            return float(self.tolerance[output])
+        if self.tolerance:
+            raise KeyError(f"stage {self.name} declares no tolerance for {output!r} "
+                           f"(it declares {sorted(self.tolerance)})")
+        return TOLERANCE["bf16" if self.compute_dtype == torch.bfloat16 else "fp32"]
 
     def runnable_here(self) -> tuple[bool, str]:
         """(True, "") if this machine can run the stage, else (False, why)."""

@@ -21,11 +21,12 @@ import math
 
 import torch
 
-# Per compute precision: the relative error a stage must stay under, against
-# the fp64 reference and against the previous stage.
+# Per compute precision: the bound of the regime. Each stage declares its own, tighter, tolerance per
+# output (StageSpec.tolerance, at the level its check cases reach); these bound what is not a stage of
+# the ladder: FLA's and FlashKDA's own errors, and stand-ins a test builds.
 TOLERANCE = {
-    "fp32": 1e-5,  # stages 00-04
-    "bf16": 5e-3,  # stages 05-07 (FlashKDA vs FLA measured 5.6e-3 on bf16 o)
+    "fp32": 1e-5,
+    "bf16": 5e-3,  # FlashKDA vs FLA measured 5.6e-3 on bf16 o
 }
 
 

@@ -5,13 +5,15 @@
   common.plotting) but show no image.
 - :func:`execute` runs a notebook with nbclient, timing it, and returns the
   executed notebook.
-- As a pytest plugin (``-p common.nbcheck``, set in pyproject.toml) it makes
+- As a pytest plugin (registered by the checkout's conftest.py) it makes
   every nbval cell that draws fail when it produced no image, which nbval's
-  ``--nbval-lax`` would never look at.
+  ``--nbval-lax`` would never look at, and starts each notebook's kernel on the
+  checkout the notebook belongs to (:func:`kernel_env`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -74,9 +76,26 @@ def errors(nb) -> list[str]:
     return out
 
 
+def kernel_env(path, base=None) -> dict:
+    """The environment of a kernel that runs the notebook ``path``: the notebook named
+    (common.notebook.NOTEBOOK_ENV: its chapter's check cell checks that stage) and its checkout first on
+    PYTHONPATH, so that the kernel imports the tree under test, whatever the virtual environment's
+    editable install points to."""
+    from .notebook import NOTEBOOK_ENV
+    from .paths import checkout_of
+
+    env = dict(os.environ if base is None else base)
+    env[NOTEBOOK_ENV] = str(Path(path).resolve())
+    root = checkout_of(path)
+    if root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(root)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                           if x and Path(x).resolve() != root])
+    return env
+
+
 def execute(path, *, timeout: int = 900, cwd=None):
-    """Run a notebook top to bottom in a fresh kernel of this Python. Returns
-    (executed notebook, seconds)."""
+    """Run a notebook top to bottom in a fresh kernel of this Python, on its own checkout
+    (:func:`kernel_env`). Returns (executed notebook, seconds)."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -84,11 +103,30 @@ def execute(path, *, timeout: int = 900, cwd=None):
     nb = nbformat.read(path, as_version=4)
     t0 = time.time()
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(cwd or path.parent)}}).execute()
+                   resources={"metadata": {"path": str(cwd or path.parent)}}).execute(env=kernel_env(path))
     return nb, time.time() - t0
 
 
-# ---- pytest plugin: nbval cells that draw must show an image ---------------
+# ---- pytest plugin: each notebook's kernel on its checkout; cells that draw show an image ----
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    """nbval starts a notebook's kernel when its first cell is set up, with this process's environment:
+    for that moment the environment is the notebook's (:func:`kernel_env`), then it is put back."""
+    nbfile = getattr(item, "parent", None)
+    path = getattr(nbfile, "path", None)
+    if path is None or Path(path).suffix != ".ipynb" or getattr(nbfile, "kernel", "n/a") is not None:
+        return (yield)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(kernel_env(path, saved))
+    try:
+        return (yield)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
 
 
 @pytest.hookimpl(wrapper=True)

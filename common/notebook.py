@@ -52,8 +52,56 @@ FLA_FIRST_USE = {"fp32": "about 80 s per (H, K) family for the forward",
 LIVE_BUDGET_S = 30.0  # seconds of live timing per latency figure on a GPU
 
 
+class CheckFailed(AssertionError):
+    """A notebook's check found what it checks broken: its cell fails (and nbval with it)."""
+
+
+NOTEBOOK_ENV = "KDALAB_NOTEBOOK"  # the path of the notebook a kernel runs (common.nbcheck.kernel_env sets it)
+
+
+def notebook_path() -> Path | None:
+    """The notebook this kernel runs: from KDALAB_NOTEBOOK (set by the notebook tests and
+    scripts/run_notebooks.py), else from Jupyter's JPY_SESSION_NAME; None when neither says."""
+    for var in (NOTEBOOK_ENV, "JPY_SESSION_NAME"):
+        v = os.environ.get(var)
+        if v and v.endswith(".ipynb"):
+            return Path(v)
+    return None
+
+
+def chapter() -> str | None:
+    """The stage id of the chapter this kernel runs ("01" for notebooks/01_cpp.ipynb), None for a notebook
+    that is not a stage's (summary, use_in_a_model) or when it is not known."""
+    p = notebook_path()
+    if p is None:
+        return None
+    sid = p.stem[:2]
+    return sid if sid in STAGE_DIRS and p.stem == STAGE_DIRS[sid] else None
+
+
+def own_stage(stage_id) -> str:
+    """``stage_id``, normalised, after checking that it is the chapter's own stage: a chapter's check
+    cell that checks another stage raises (a copied cell left pointing at its neighbour)."""
+    sid = normalize(stage_id)
+    mine = chapter()
+    if mine is not None and sid != mine:
+        raise CheckFailed(f"{STAGE_DIRS[mine]}.ipynb checks stage {sid} ({STAGE_DIRS[sid]}): a chapter's check "
+                          f"cell checks its own stage, {mine}")
+    return sid
+
+
 def environment() -> str:
-    """One line about this machine (what the notebook will do live)."""
+    """One line about this machine (what the notebook will do live). Fails where the notebook belongs to
+    another checkout than the ``common`` it imported (a second clone sharing a virtual environment):
+    its checks would run the other tree's code."""
+    from .paths import REPO_ROOT
+
+    p = notebook_path()
+    folder = p.resolve().parent if p is not None and p.is_absolute() else Path.cwd().resolve()  # the kernel's cwd
+    checkout = folder.parent  # notebooks/ sits at the top of a checkout
+    if (checkout / "common" / "notebook.py").exists() and checkout != REPO_ROOT.resolve():
+        raise RuntimeError(f"this notebook is in the checkout {checkout}, but `common` was imported from "
+                           f"{REPO_ROOT}: start Jupyter with PYTHONPATH={checkout}, or pip install -e that checkout")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     line = f"torch {torch.__version__}, {gpu}"
     print(line)
@@ -98,10 +146,39 @@ def _announce_fla(regime: str, shapes) -> None:
         _FLA_ANNOUNCED.update((regime, f) for f in new)
 
 
+def _judged(spec, rows) -> list[dict]:
+    """Check rows judged by the stage's tolerance as it is now: ``tol`` and ``ok`` recomputed per output
+    (a recorded row carries the tolerance of its day)."""
+    out = []
+    for r in rows:
+        tol = spec.tol(r["output"])
+        ok = (r.get("err_ref") is not None and r["err_ref"] <= tol
+              and (r.get("err_prev") is None or r["err_prev"] <= tol))
+        out.append(dict(r, tol=tol, ok=bool(ok)))
+    return out
+
+
+def _claims_of_the_rows(stage, rows, where: str) -> list[str]:
+    """What is wrong with a stage's check rows: an output above its tolerance, or, for a stage that
+    declares the previous stage's bits (stage.py SAME_BITS_AS_PREVIOUS), an output that differs from them."""
+    spec = stage.SPEC
+    bad = [f"{r.get('case', 'worst over ' + str(r.get('cases')) + ' cases')} {r['output']}: "
+           f"{r['err_ref']:.2e} against fp64"
+           + (f", {r['err_prev']:.2e} against {r.get('prev')}" if r.get("err_prev") is not None else "")
+           + f" (tolerance {r['tol']:g})" for r in rows if not r["ok"]]
+    if getattr(stage, "SAME_BITS_AS_PREVIOUS", False):
+        bad += [f"{r['output']}: {r['err_prev']!r} from {r.get('prev')}, where the stage declares its bits "
+                f"(SAME_BITS_AS_PREVIOUS)" for r in rows if r.get("err_prev") not in (0, 0.0)]
+    return [f"{spec.name} ({where}): {b}" for b in bad]
+
+
 def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
-    """Worst relative error per output against the fp64 reference and the
-    previous stage. Live when the stage runs here, else recorded."""
-    stage = load_stage(stage_id)
+    """Worst relative error per output against the fp64 reference and the previous stage, each judged by
+    the stage's tolerance (StageSpec.tolerance). Live when the stage runs here, else recorded. Raises
+    CheckFailed when an output is above its tolerance, or differs from the previous stage's bits where the
+    stage declares them, and when the cell checks a stage other than its chapter's own."""
+    sid = own_stage(stage_id)
+    stage = load_stage(sid)
     spec = stage.SPEC
     ok, why = spec.runnable_here()
     if ok:
@@ -109,21 +186,24 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
         cases = checks.cases_for(spec, dev, quick)
         rows = []
         for case in progress_bar(cases, f"checking {spec.name}", "case"):
-            rows += checks.check_case(stage_id, case)
+            rows += checks.check_case(sid, case)
+        bad = _claims_of_the_rows(stage, rows, f"live on {dev}")
         worst = checks.summarize(rows)
-        bad = [r for r in rows if not r["ok"]]
         print(f"measured live on {dev}: {len(cases)} cases, {len(rows)} comparisons, "
-              f"{'all within ' + format(worst[0]['tol'], 'g') if not bad else str(len(bad)) + ' ABOVE tolerance'}")
+              + ("each within its output's tolerance" if not bad else f"{len(bad)} ABOVE tolerance"))
     else:
-        meta, rows = _recorded("checks")
-        worst = [r for r in rows if r.get("stage") == spec.name and "err_ref" in r]
+        meta, rec = _recorded("checks")
+        worst = _judged(spec, [r for r in rec if r.get("stage") == spec.name and "err_ref" in r])
         if not worst:
-            print(f"{spec.name} cannot run here ({why}) and has no recorded checks yet")
-            return pd.DataFrame()
+            raise CheckFailed(f"{spec.name} cannot run here ({why}) and has no recorded checks "
+                              "(results/h200/checks.json)")
+        bad = _claims_of_the_rows(stage, worst, "recorded")
         print(f"{spec.name} cannot run here ({why}); showing figures {results.label(meta)}")
+    if bad:
+        raise CheckFailed("\n".join(bad))
     df = pd.DataFrame(worst)
     cols = [c for c in ("output", "err_ref", "err_prev", "prev", "tol", "ok", "cases") if c in df]
-    return df[cols].style.format({"err_ref": "{:.2e}", "err_prev": "{:.2e}", "tol": "{:.0e}"}, na_rep="-")
+    return df[cols].style.format({"err_ref": "{:.2e}", "err_prev": "{:.2e}", "tol": "{:.1e}"}, na_rep="-")
 
 
 def fla_error_table(stage_id) -> pd.DataFrame:

@@ -1,11 +1,23 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+@pytest.fixture(scope="session")
+def cpu_check_rows():
+    """``rows(stage_id)``: common.checks.check_case rows of a CPU stage on every CPU check case, computed
+    once per session (the per-case tests and the tolerance test read the same rows)."""
+    from common import checks
+
+    cache = {}
+
+    def rows(sid, case=None):
+        if sid not in cache:
+            cache[sid] = {c.id: checks.check_case(sid, c, device="cpu") for c in checks.cpu_cases()}
+        return cache[sid][case.id] if case is not None else [r for rs in cache[sid].values() for r in rs]
+
+    return rows
 
 
 def pytest_collection_modifyitems(config, items):

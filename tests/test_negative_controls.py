@@ -280,7 +280,7 @@ def test_the_tolerance_is_pinned_from_both_sides(dtype):
         def mutate(fwd, kw):
             seen.add(kw["q"].dtype)
             return _scaled_o(eps)(fwd, kw)
-        return Planted(f"00_{eps:g}", mutate, compute_dtype=dtype)
+        return Planted(f"00_{eps:g}", mutate, compute_dtype=dtype, tolerance={})  # held to its precision's bound
 
     for factor, ok in ((2.0, False), (0.5, True)):
         rows = checks.check_case(planted(factor * tol), RAGGED, prev=None, backward=False)
@@ -288,6 +288,16 @@ def test_the_tolerance_is_pinned_from_both_sides(dtype):
         assert o["tol"] == tol and o["ok"] == ok, checks.format_rows(rows)
         assert 0.9 * factor * tol <= o["err_ref"] <= (factor + 0.2) * tol, o  # the error is the planted one
     assert seen == {dtype}
+
+
+def test_a_stage_is_held_to_its_own_tolerance():
+    """Stage 00's o off by 3x its declared tolerance (8e-7, far below the fp32 regime's 1e-5) fails; the
+    other outputs, untouched, pass at theirs."""
+    tol = load_stage("00").SPEC.tol("o")
+    assert tol < tolerance("fp32") / 10
+    rows = checks.check_case(Planted("00_3tol", _scaled_o(3 * tol)), RAGGED, prev=None, backward=False)
+    by = {r["output"]: r for r in rows}
+    assert by["o"]["tol"] == tol and not by["o"]["ok"] and by["S"]["ok"], checks.format_rows(rows)
 
 
 class _SilentExtension:

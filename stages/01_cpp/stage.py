@@ -17,6 +17,12 @@ from common.contract import StageSpec, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["binding.cpp", "kda.cpp"]
 
+# The relative error each output and gradient may reach against the fp64 reference and the previous
+# stage: about 4x the worst of the CPU check cases (common.checks.cpu_cases),
+# so that a change which loses accuracy fails.
+TOLERANCE = dict(o=1.5e-6, S=1.5e-6, dq=1.5e-6, dk=1.5e-6, dv=1e-6, dg=1.5e-6,
+                 dbeta=1.5e-6, dA_log=2e-7, ddt_bias=1e-6, dinitial_state=1.5e-6)
+
 SPEC = StageSpec(
     name="01_cpp",
     title="C++ CPU extension, fp32, forward + hand-written backward",
@@ -32,6 +38,7 @@ SPEC = StageSpec(
         "bwd: recompute", "bwd: reverse recurrence", "bwd: WY adjoint", "bwd: pre-stage adjoint",
     ),
     region_unit="s",
+    tolerance=TOLERANCE,
 )
 
 

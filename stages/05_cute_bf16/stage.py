@@ -20,6 +20,11 @@ from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3)
+
 SPEC = StageSpec(
     name="05_cute_bf16",
     title="bf16 tensor cores through CuTe (BT=16, bounded gate); fused prepare kernel per chunk, "
@@ -38,6 +43,7 @@ SPEC = StageSpec(
         "K2: loads / barriers", "K2: w@S", "K2: qd@S + Aqk@vcorr", "K2: S update",
     ),
     region_unit="cycles",
+    tolerance=TOLERANCE,
     extra={"cutlass": True, "min_sm": 80},
 )
 

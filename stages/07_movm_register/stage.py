@@ -19,6 +19,11 @@ from common.contract import StageSpec, ablation_build_args, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3)
+
 SPEC = StageSpec(
     name="07_movm_register",
     title="stage 06 + vcorr and the state kept in registers: accumulator -> B-operand fragments by "
@@ -39,6 +44,7 @@ SPEC = StageSpec(
         "K2 load warp: wait for a free slot", "K2 load warp: issue cp.async",
     ),
     region_unit="cycles",
+    tolerance=TOLERANCE,
     extra={"cutlass": True, "min_sm": 80},
 )
 

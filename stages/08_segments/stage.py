@@ -23,6 +23,11 @@ from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3)
+
 SPEC = StageSpec(
     name="08_segments",
     title="stage 07 in segments of the sequence: a workspace of one segment, K1 of the next beside K2",
@@ -42,6 +47,7 @@ SPEC = StageSpec(
         "K2 load warp: wait for a free slot", "K2 load warp: issue cp.async",
     ),
     region_unit="cycles",
+    tolerance=TOLERANCE,
     extra={"cutlass": True, "min_sm": 80},
 )
 

@@ -28,6 +28,11 @@ from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3)
+
 SPEC = StageSpec(
     name="09_fused",
     title="stage 08 + a fused path: the prepare streams into the recurrence's block, no workspace, "
@@ -49,6 +54,7 @@ SPEC = StageSpec(
         "fused prepare: team barrier", "fused prepare: decay columns",
     ),
     region_unit="cycles",
+    tolerance=TOLERANCE,
     # sm90a: on the H200 (or with no GPU) built for sm_90a, whose setmaxnreg the fused kernel uses
     extra={"cutlass": True, "min_sm": 80, "sm90a": True},
 )

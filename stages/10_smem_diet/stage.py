@@ -25,6 +25,11 @@ from common.contract import Ablation, StageSpec, ablation_build_args, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3)
+
 SPEC = StageSpec(
     name="10_smem_diet",
     title="stage 09 with less work around each MMA: fragments by ldmatrix and as words, eight lanes per "
@@ -46,6 +51,7 @@ SPEC = StageSpec(
         "fused prepare: team barrier", "fused prepare: decay columns",
     ),
     region_unit="cycles",
+    tolerance=TOLERANCE,
     extra={"cutlass": True, "min_sm": 80},
 )
 

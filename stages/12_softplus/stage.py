@@ -28,6 +28,11 @@ from common.contract import StageSpec, ablation_build_args, prepare
 HERE = Path(__file__).resolve().parent
 SOURCES = ["kda.cu", "binding.cpp"]
 
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3)
+
 SPEC = StageSpec(
     name="12_softplus",
     title="the softplus gate (Kimi Linear's, no lower bound) on the tensor cores: L and Aqk pair by pair, "
@@ -50,6 +55,7 @@ SPEC = StageSpec(
         "fused prepare: team barrier", "fused prepare: decay columns",
     ),
     region_unit="cycles",
+    tolerance=TOLERANCE,
     extra={"cutlass": True, "min_sm": 80},
 )
 
