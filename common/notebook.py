@@ -90,6 +90,15 @@ def own_stage(stage_id) -> str:
     return sid
 
 
+def fail_if(problems, what: str) -> None:
+    """Raise CheckFailed listing ``problems`` (strings), if there are any: the cell that shows ``what``
+    fails with it."""
+    problems = list(problems)
+    if problems:
+        raise CheckFailed(f"{what}: " + "; ".join(problems) if len(problems) == 1 else
+                          f"{what}:\n  " + "\n  ".join(problems))
+
+
 def environment() -> str:
     """One line about this machine (what the notebook will do live). Fails where the notebook belongs to
     another checkout than the ``common`` it imported (a second clone sharing a virtual environment):
@@ -146,37 +155,22 @@ def _announce_fla(regime: str, shapes) -> None:
         _FLA_ANNOUNCED.update((regime, f) for f in new)
 
 
-def _judged(spec, rows) -> list[dict]:
-    """Check rows judged by the stage's tolerance as it is now: ``tol`` and ``ok`` recomputed per output
-    (a recorded row carries the tolerance of its day)."""
-    out = []
-    for r in rows:
-        tol = spec.tol(r["output"])
-        ok = (r.get("err_ref") is not None and r["err_ref"] <= tol
-              and (r.get("err_prev") is None or r["err_prev"] <= tol))
-        out.append(dict(r, tol=tol, ok=bool(ok)))
-    return out
-
-
-def _claims_of_the_rows(stage, rows, where: str) -> list[str]:
-    """What is wrong with a stage's check rows: an output above its tolerance, or, for a stage that
-    declares the previous stage's bits (stage.py SAME_BITS_AS_PREVIOUS), an output that differs from them."""
-    spec = stage.SPEC
-    bad = [f"{r.get('case', 'worst over ' + str(r.get('cases')) + ' cases')} {r['output']}: "
-           f"{r['err_ref']:.2e} against fp64"
-           + (f", {r['err_prev']:.2e} against {r.get('prev')}" if r.get("err_prev") is not None else "")
-           + f" (tolerance {r['tol']:g})" for r in rows if not r["ok"]]
-    if getattr(stage, "SAME_BITS_AS_PREVIOUS", False):
-        bad += [f"{r['output']}: {r['err_prev']!r} from {r.get('prev')}, where the stage declares its bits "
-                f"(SAME_BITS_AS_PREVIOUS)" for r in rows if r.get("err_prev") not in (0, 0.0)]
-    return [f"{spec.name} ({where}): {b}" for b in bad]
+def _problems(stage, rows, where: str) -> list[str]:
+    """The rows that fail (common.checks.judge), one line each: the case, the output, its errors and
+    what it is held to."""
+    same = checks.same_bits(stage)
+    return [f"{stage.SPEC.name} ({where}): {r.get('case', 'worst of ' + str(r.get('cases')) + ' cases')} "
+            f"{r['output']}: {r['err_ref']:.2e} against fp64"
+            + (f", {r['err_prev']:.2e} against {r.get('prev')}" if r.get("err_prev") is not None else "")
+            + f" (tolerance {r['tol']:g}{'; the stage declares the previous stage bits' if same else ''})"
+            for r in rows if not r["ok"]]
 
 
 def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
     """Worst relative error per output against the fp64 reference and the previous stage, each judged by
     the stage's tolerance (StageSpec.tolerance). Live when the stage runs here, else recorded. Raises
-    CheckFailed when an output is above its tolerance, or differs from the previous stage's bits where the
-    stage declares them, and when the cell checks a stage other than its chapter's own."""
+    CheckFailed when an output fails (common.checks.judge: above its tolerance, or off the previous stage's
+    bits where the stage declares them) and when the cell checks a stage other than its chapter's own."""
     sid = own_stage(stage_id)
     stage = load_stage(sid)
     spec = stage.SPEC
@@ -187,20 +181,19 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
         rows = []
         for case in progress_bar(cases, f"checking {spec.name}", "case"):
             rows += checks.check_case(sid, case)
-        bad = _claims_of_the_rows(stage, rows, f"live on {dev}")
+        bad = _problems(stage, rows, f"live on {dev}")
         worst = checks.summarize(rows)
         print(f"measured live on {dev}: {len(cases)} cases, {len(rows)} comparisons, "
               + ("each within its output's tolerance" if not bad else f"{len(bad)} ABOVE tolerance"))
     else:
         meta, rec = _recorded("checks")
-        worst = _judged(spec, [r for r in rec if r.get("stage") == spec.name and "err_ref" in r])
+        worst = [checks.judge(stage, r) for r in rec if r.get("stage") == spec.name and "err_ref" in r]
         if not worst:
             raise CheckFailed(f"{spec.name} cannot run here ({why}) and has no recorded checks "
                               "(results/h200/checks.json)")
-        bad = _claims_of_the_rows(stage, worst, "recorded")
+        bad = _problems(stage, worst, "recorded")
         print(f"{spec.name} cannot run here ({why}); showing figures {results.label(meta)}")
-    if bad:
-        raise CheckFailed("\n".join(bad))
+    fail_if(bad, f"checks of {spec.name}")
     df = pd.DataFrame(worst)
     cols = [c for c in ("output", "err_ref", "err_prev", "prev", "tol", "ok", "cases") if c in df]
     return df[cols].style.format({"err_ref": "{:.2e}", "err_prev": "{:.2e}", "tol": "{:.1e}"}, na_rep="-")
@@ -216,6 +209,8 @@ def fla_error_table(stage_id) -> pd.DataFrame:
         print(f"no recorded comparison of {name} with FLA")
         return pd.DataFrame()
     print(results.label(meta))
+    fail_if([f"{r['output']}: {r['err_fla']:.2e} from FLA (bound {r['tol_fla']:g}), FLA {r['fla_err_ref']:.2e} "
+             "from fp64" for r in mine if not r["ok"]], f"{name} against FLA")
     df = pd.DataFrame(mine)[["output", "err_fla", "fla_err_ref", "tol_fla", "ok", "cases"]]
     return df.style.format({"err_fla": "{:.2e}", "fla_err_ref": "{:.2e}", "tol_fla": "{:.0e}"}, na_rep="-")
 
@@ -621,6 +616,8 @@ def ablation_table(stage_id) -> pd.DataFrame:
         d["checks"] = "ok" if b["checks_ok"] else "FAILED"
         d["err vs full stage"] = f"{b['err_full']:.1e}"
         out.append(d)
+    fail_if([f"{d['idea']} turned off: its checks failed" for d in out if d["checks"] != "ok"],
+            f"ablations of stage {stage_id}")
     return pd.DataFrame(out)
 
 
@@ -772,8 +769,8 @@ def paths_table(stage_id="09") -> pd.DataFrame:
                         "peak MB": r.get("peak_mb"), "FlashKDA peak MB": fk.get("peak_mb"),
                         f"bitwise = {pid}": r.get(f"equal_to_{pid}"),
                         "check": "ok" if not problems else "FAILED: " + "; ".join(problems), "where": r["where"]})
-    print(f"path checks: {len(rows) - len(bad)} of {len(rows)} rows as expected" if not bad else
-          f"path checks: {len(bad)} of {len(rows)} rows FAILED:\n  " + "\n  ".join(bad))
+    print(f"path checks: {len(rows) - len(bad)} of {len(rows)} rows as expected")
+    fail_if(bad, f"path checks of stage {sid} ({len(bad)} of {len(rows)} rows)")
     if not out:
         return pd.DataFrame()
     df = pd.DataFrame(out).set_index(["shape", "path"])
@@ -1018,6 +1015,18 @@ def varlen_demo(lengths=(7, 0, 20, 33), H=2, K=64, V=64, seed=0, stage_id="11") 
           f"{d:.1e} (of states up to {S_p.abs().max().item():.2f}; fp64 round-off, the sums in another order)")
     print(f"{spec.name} packed on this machine: " + ("measured live, bf16, the last columns" if got is not None
                                                      else f"not run ({why})"))
+    bad = [f"sequence {r['sequence']}: packed and alone differ by {r[c]:.1e}" for r in rows
+           for c in ("packed vs alone: max |o diff|", "packed vs alone: max |S diff|") if r[c] not in (None, 0.0)]
+    bad += [f"sequence {r['sequence']}: as one long sequence only {r['one long sequence vs alone: o rel. error']:.1e} "
+            "from alone (the state did not run on across the boundary)" for r in rows[1:]
+            if r["one long sequence vs alone: o rel. error"] is not None
+            and not r["one long sequence vs alone: o rel. error"] > 1e-2]
+    if got is not None:
+        bad += [f"sequence {r['sequence']}: {out} {r[col]:.1e} from alone (tolerance {spec.tol(out)})"
+                for r in rows for out in ("o", "S")
+                if (col := f"{spec.name} (bf16) packed vs alone: {out} rel. error") and r[col] is not None
+                and not r[col] <= spec.tol(out)]
+    fail_if(bad, "packed sequences")
     df = pd.DataFrame(rows).set_index("sequence")
     return df.style.format({c: "{:.1e}" for c in df.columns if c not in ("tokens", "length")}, na_rep="-")
 
@@ -1104,6 +1113,12 @@ def varlen_table(stage_id="11") -> pd.DataFrame:
                     "GPU ms": r.get("gpu_ms"), "x FlashKDA": r.get("vs_flashkda"),
                     "o err vs fp64": r.get("o_err_ref"), "S err vs fp64": r.get("S_err_ref"),
                     "where": r["where"] + (f" (failed: {r['error']})" if r.get("error") else "")})
+    spec = load_stage(stage_id).SPEC
+    fail_if([f"{r['mix']} {r['impl']}: " + (f"failed: {r['error']}" if r.get("error") else
+                                             f"o {r.get('o_err_ref')}, S {r.get('S_err_ref')} against fp64")
+             for r in rows if r.get("stage") == spec.name
+             and (r.get("error") or not (r.get("o_err_ref", 0) <= spec.tol("o") and r.get("S_err_ref", 0)
+                                         <= spec.tol("S")))], f"packed sequences of {spec.name}")
     if not out:
         return pd.DataFrame()
     df = pd.DataFrame(out).set_index(["mix", "N", "T", "H", "impl"])

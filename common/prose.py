@@ -98,12 +98,17 @@ def passage(doc_lines: list[str], i: int) -> tuple[int, int]:
 NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
 _SEP = r"\s*(?:-|–|to|against|/)\s*"
 PATTERNS = [  # (kind, regex with the figures in groups 1 and 2, the unit in group 3)
-    ("time", re.compile(rf"(?<![\w.^/])({NUM})(?:{_SEP}({NUM}))?\s*(ms|s|us|µs)\b")),
+    ("time", re.compile(rf"(?<![\w.^/=])({NUM})(?:{_SEP}({NUM}))?\s*(ms|s|us|µs)\b")),
     ("value", re.compile(r"(?<![\w.^])(\d+\.\d+e[+-]?\d+)(?:\s*(?:-|–|/|to|->|→)\s*(\d+\.\d+e[+-]?\d+))?()")),
-    ("ratio", re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to)\s*({NUM}))?\s*(x)\b(?!\s*\d)")),
+    ("ratio", re.compile(rf"(?<![\w.^=])({NUM})(?:\s*(?:-|–|to)\s*({NUM}))?\s*(x)\b(?!\s*\d)(?!\s+[A-Za-z_]\w*\s+x\b)")),
     ("memory", re.compile(rf"(?<![\w.^])({NUM})(?:{_SEP}({NUM}))?\s*(MB|GB)\b")),
     ("percent", re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to)\s*({NUM}))?\s*(%)")),
+    # a decimal without a unit ("0.1657, 0.7620 and 1.1732 ms", "0.42 warps per cycle"): in the unit of the
+    # record it quotes. Not a version ("CUDA 13.0", "Python 3.11", "2.11.0") and not inside `code`.
+    ("decimal", re.compile(r"(?<![\w.^/\-])(\d+\.\d+)(?![\w.]*\w)(?!\.\d)()()")),
 ]
+_VERSION = re.compile(r"(?:Python|CUDA|cuda|nvcc|torch|triton|fla-core|sm)`?\s*$")  # "CUDA 13.0", "`nvcc` 13.0"
+DECIMAL = "num"  # the unit of a decimal printed without one: any record's unit, as it is
 
 
 def sig_digits(text: str) -> int:
@@ -130,18 +135,34 @@ class Figure:
         return float(self.text.replace(",", ""))
 
 
+_CODE = re.compile(r"`[^`]*`")
+
+
 def _spans(line: str):
     """(start, end, text, kind, unit) of every figure in a line, left to right, one per number."""
     seen, out = set(), []
+    code = [m.span() for m in _CODE.finditer(line)]
     for kind, rx in PATTERNS:
         for m in rx.finditer(line):
             for gi in (1, 2):
-                if m.group(gi) is None or m.start(gi) in seen:
+                if not m.group(gi) or m.start(gi) in seen:
+                    continue
+                if kind == "decimal" and (any(a <= m.start(gi) < b for a, b in code)
+                                          or _VERSION.search(line[:m.start(gi)])):
                     continue
                 seen.add(m.start(gi))
-                unit = {"us": "us", "µs": "us"}.get(m.group(3), m.group(3))
+                unit = DECIMAL if kind == "decimal" else {"us": "us", "µs": "us"}.get(m.group(3), m.group(3))
                 out.append((m.start(gi), m.end(gi), m.group(gi), kind, unit))
-    return sorted(out)
+    out.sort()
+    for i in range(len(out) - 2, -1, -1):  # a decimal in a list that ends in a unit has that unit
+        s, e, text, kind, unit = out[i]
+        nxt = out[i + 1]
+        if kind == "decimal" and nxt[3] in ("time", "memory") and _LIST_GAP.fullmatch(line[e:nxt[0]]):
+            out[i] = (s, e, text, nxt[3], nxt[4])
+    return out
+
+
+_LIST_GAP = re.compile(r"\s*(?:,|;|and|against|vs\.?|or|->|→|/|-|–|to)?\s*(?:and\s+)?")
 
 
 def mask(line: str) -> str:
@@ -154,7 +175,7 @@ def mask(line: str) -> str:
 
 
 def figures(doc: str, text: str) -> list[Figure]:
-    """The measured figures of one document (two or more significant digits), keyed."""
+    """The figures of one document (one significant digit included: "about 2 GB", "within 0.7x"), keyed."""
     out, seen = [], {}
     for lineno, line in enumerate(text.splitlines(), 1):
         spans = _spans(line)
@@ -163,8 +184,6 @@ def figures(doc: str, text: str) -> list[Figure]:
         h = hashlib.sha1(mask(line).strip().encode()).hexdigest()[:12]
         occ = seen[h] = seen.get(h, -1) + 1
         for i, (s, e, t, kind, unit) in enumerate(spans):
-            if sig_digits(t) < 2:
-                continue  # "about 4e-3", "2x": approximate by their own words
             out.append(Figure(doc, lineno, line, s, e, t, kind, unit, key=(doc, h, occ, i)))
     return out
 
@@ -179,6 +198,23 @@ def matches(printed: str, value: float) -> bool:
         return False
     x, n = float(printed.replace(",", "")), sig_digits(printed)
     return float(f"{value:.{n}g}") == float(f"{x:.{n}g}")
+
+
+def bound_of(value: float, n: int, upper: bool) -> float:
+    """The tightest bound of ``value`` printed with ``n`` significant digits: rounded up (an upper bound,
+    "within 0.7x" of 0.66x) or down (a lower bound, "at least 1.2x" of 1.27x)."""
+    e = math.floor(math.log10(abs(value))) - max(n, 1) + 1
+    q = value / 10 ** e
+    q = math.ceil(q - 1e-9) if upper else math.floor(q + 1e-9)
+    return float(f"{q * 10 ** e:.{max(n, 1) + 1}g}")
+
+
+def bounds(printed: str, value: float, upper: bool) -> bool:
+    """Is the printed figure the tightest bound of ``value`` at its digits (see :func:`bound_of`)?"""
+    if value is None or not math.isfinite(value) or value == 0:
+        return False
+    x = float(printed.replace(",", ""))
+    return math.isclose(bound_of(value, sig_digits(printed), upper), x, rel_tol=1e-9)
 
 
 # ---------------------------------------------------------------------------
@@ -349,7 +385,10 @@ def atoms() -> dict[str, Atom]:
 TO_UNIT = {  # (figure unit, atom unit) -> factor from the atom's value to the figure's
     ("ms", "ms"): 1.0, ("s", "ms"): 1e-3, ("us", "ms"): 1e3, ("s", "s"): 1.0, ("ms", "s"): 1e3,
     ("MB", "MB"): 1.0, ("GB", "MB"): 1e-3, ("", "value"): 1.0,
+    (DECIMAL, "ms"): 1.0, (DECIMAL, "s"): 1.0, (DECIMAL, "MB"): 1.0, (DECIMAL, "value"): 1.0,
 }
+BOUNDS = {"at_most": (max, True), "at_least": (min, False)}  # a claim that bounds a set of records
+EXTREMES = {"max": max, "min": min}  # the end of a range ("11-21%"): the extreme of a set, rounded
 PCT = {"share": lambda r: 100 * r, "change": lambda r: 100 * (r - 1), "saving": lambda r: 100 * (1 - r)}
 
 
@@ -371,7 +410,45 @@ def value_of(entry: dict, unit: str, table=None):
     if "pct" in entry:
         a, b = (table[x].value for x in entry["pct"])
         return PCT[entry["op"]](a / b)
-    raise KeyError(f"an entry is of, ratio, pct or not_measured: {entry}")
+    for kind, (pick, _) in BOUNDS.items():
+        if kind in entry:
+            return pick(value_of(e, unit, table) for e in entry[kind])
+    for kind, pick in EXTREMES.items():
+        if kind in entry:
+            return pick(value_of(e, unit, table) for e in entry[kind])
+    if "fact" in entry:
+        return fact(entry["fact"])
+    raise KeyError(f"an entry is of, ratio, pct, at_most, at_least, min, max, fact or not_measured: {entry}")
+
+
+def fact(name: str) -> float:
+    """A number a stage declares in its stage.py ("12:FLA_TIME_TARGET"): an aim or a constant the prose
+    quotes, read where it is defined. KeyError names what is missing."""
+    from .stages import load_stage
+
+    sid, _, attr = name.partition(":")
+    value = getattr(load_stage(sid), attr, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KeyError(f"stage {sid}'s stage.py declares no number {attr}")
+    return float(value)
+
+
+def figure_problem(f, entry: dict, table=None) -> str | None:
+    """Why a figure is not what its entry says (None: it is): its value does not round to the figure or,
+    for a bound (at_most / at_least), the figure is not the tightest bound at its digits."""
+    try:
+        v = value_of(entry, f.unit, table)
+    except KeyError as err:
+        return str(err)
+    if v is None:
+        return None
+    upper = next((up for kind, (_, up) in BOUNDS.items() if kind in entry), None)
+    ok = matches(f.text, v) if upper is None else bounds(f.text, v, upper)
+    if ok:
+        return None
+    how = "" if upper is None else (" as an upper bound (rounded up)" if upper else " as a lower bound (rounded down)")
+    shown = {k2: entry[k2] for k2 in entry if k2 in ("of", "ratio", "pct", "op", "fact", *BOUNDS, *EXTREMES)}
+    return f"the record says {v:.4g}{how} ({json.dumps(shown)[:300]})"
 
 
 def key_str(key) -> str:
@@ -402,13 +479,9 @@ def check(figs=None, index=None, table=None) -> list[str]:
             bad.append(f"{where}: no entry in docs/figures.json (run scripts/bind_figures.py) in: {f.line.strip()[:140]}")
             continue
         used.add(k)
-        try:
-            v = value_of(e, f.unit, table)
-        except KeyError as err:
-            bad.append(f"{where}: {err}")
-            continue
-        if v is not None and not matches(f.text, v):
-            bad.append(f"{where}: the record says {v:.4g} ({json.dumps({k2: e[k2] for k2 in e if k2 in ('of', 'ratio', 'pct', 'op')})}) in: {f.line.strip()[:140]}")
+        why = figure_problem(f, e, table)
+        if why is not None:
+            bad.append(f"{where}: {why} in: {f.line.strip()[:140]}")
     bad += [f"docs/figures.json: entry {k} ({e.get('at', '')!r}) is used by no figure" for k, e in index.items()
             if k not in used]
     return bad
@@ -574,7 +647,7 @@ class Binder:
         """(entry, atoms) whose value rounds to the figure. A ratio or percentage is first looked for
         among ``near``, the records of the figures beside it (its line's "0.58 against 0.82 ms")."""
         x = fig.number
-        if fig.kind in ("time", "memory", "value"):
+        if fig.kind in ("time", "memory", "value", "decimal"):
             for (fu, au), f in TO_UNIT.items():
                 if fu != fig.unit:
                     continue

@@ -57,6 +57,54 @@ NOT_MEASURED = {
     ("docs/PERF_NOTES.md", "(59.7-62 us, sometimes 67.8 us)"): "session 14's notes (outcome 19); its records did not reach results/",
     ("docs/PERF_NOTES.md", "stays at 93-97 us"): "session 14's notes (outcome 19); its records did not reach results/",
     ("docs/PERF_NOTES.md", "cost 27% at K = 64"): "session 14's notes (outcome 19); its records did not reach results/",
+    # one significant digit and unit-less decimals (issue 35)
+    ('docs/DESIGN.md', '1.65 / 9.49, v9+ws 1.28 / 8.08, v10+ws 1.09 / 7.13, FLA 1.01 / 5.06'): "the seed's own figures on an H20 (shared/seed), not a run of this project",
+    ('docs/PERF_NOTES.md', 'the 4.27 TB/s measured copy rate'): "the H200's copy rate measured on 2026-11-29 (shared/DEVICE_NOTES.md), not a results file",
+    ('docs/PERF_NOTES.md', 'about 0.6 MFLOP'): 'a FLOP count',
+    ('docs/PERF_NOTES.md', '~2.6 GFLOP, 3 us at the 788 TFLOP/s'): 'a FLOP count and its time at the measured bf16 rate (an estimate)',
+    ('docs/PERF_NOTES.md', 'At ~1-2 us per chunk step'): 'an estimate of one chunk step',
+    ('docs/PERF_NOTES.md', '>= 3x overall'): 'a prediction',
+    ('docs/PERF_NOTES.md', '>= 20x over 03 at T >= 512'): 'a prediction',
+    ('docs/PERF_NOTES.md', 'close the gap to FLA to ~2-3x'): 'a prediction',
+    ('docs/PERF_NOTES.md', 'the ~2 GB workspace round trip at B=8 gone, ~0.7 ms there'): 'a prediction from the byte count',
+    ('docs/PERF_NOTES.md', 'about 2 GB. At ~4 TB/s that is ~0.5 ms, some 40%'): 'an estimate from the byte count',
+    ('docs/PERF_NOTES.md', 'near 40% of the time'): 'an estimate from the byte count',
+    ('docs/PERF_NOTES.md', "(about 40% of stage 07's time at B=8 by the byte"): 'an estimate from the byte count',
+    ('docs/PERF_NOTES.md', 'would take about 0.7 ms if the prepare'): 'a prediction',
+    ('docs/PERF_NOTES.md', 'slots 40% busy, 0.42 warps issued per scheduler'): 'an Nsight Compute reading (not stored in results/)',
+    ('stages/10_smem_diet/README.md', 'issue slots 40% busy'): 'an Nsight Compute reading (PERF_NOTES outcome 11; not stored in results/)',
+    ('docs/PERF_NOTES.md', '(8 x 12.5 KB'): 'a byte count',
+    ('docs/PERF_NOTES.md', "time at most 0.8x FlashKDA's at every D=128 shape"): 'the target stages 09-10 were built to, not a measurement',
+    ('stages/10_smem_diet/README.md', "The target was at most 0.8x FlashKDA's"): 'the target stages 09-10 were built to, not a measurement',
+    ('notebooks/10_smem_diet.ipynb', "and at most 0.8x FlashKDA's"): 'the target stages 09-10 were built to, not a measurement',
+    ('docs/PERF_NOTES.md', 'would cut that traffic'): 'a count of the shared-memory traffic (a prediction)',
+    ('docs/PERF_NOTES.md', '     4x. A large change'): 'a count of the shared-memory traffic (a prediction)',
+    ('docs/PERF_NOTES.md', 'threshold max(2048, 4x the mean)'): 'a constant of the rule',
+    ('stages/11_varlen/README.md', 'max(2048, 4 x the mean length'): 'a constant of the rule',
+    ('docs/PERF_NOTES.md', 'have at most 0.02% wide chunks'): "counted on the CPU by notebook 12 (stage.wide_chunks on the benchmark's inputs), not a results file",
+    ('stages/12_softplus/README.md', 'at most 0.02% of the chunks'): "counted on the CPU by notebook 12 (stage.wide_chunks on the benchmark's inputs), not a results file",
+    ('docs/PERF_NOTES.md', '10 us slower after the larger shapes'): 'the difference of two recorded times (the rounds of speed_e573e2b.json)',
+    ('docs/PERF_NOTES.md', 'an instruction issued every 3.6 cycles'): 'an Nsight Compute reading (not stored in results/)',
+    ('docs/PERF_NOTES.md', 'cost K2 about 7% at these shapes'): "K2's cycles in the profiles of outcome 12 (not stored per region in results/)",
+    ('docs/PERF_NOTES.md', "The 7% the segments' parameters cost K2"): "K2's cycles in the profiles of outcome 12 (not stored per region in results/)",
+    ('docs/PERF_NOTES.md', 'Prediction: the chain\n'): 'a prediction',
+    ('docs/PERF_NOTES.md', '~20% shorter; fused8'): 'a prediction',
+    ('stages/02_cuda_baseline/README.md', '4x the recurrence work per token'): 'a count of the work per token (a 128 x 128 state against 64 x 64)',
+    ('stages/02_cuda_baseline/README.md', 'yet the time is about 7x'): 'against an interpolated figure of the sweep, not a record',
+    ('stages/02_cuda_baseline/README.md', 'their states (4 MB)'): 'a byte count',
+    ('stages/02_cuda_baseline/README.md', 'should be **at least 3x faster**'): "the seed's expectation (a target)",
+    ('stages/02_cuda_baseline/README.md', 'at least 20x faster than stage 03'): "the seed's expectation (a target)",
+    ('stages/03_chunk_parallel/README.md', '**at least 3x** over stage 02'): "the seed's expectation (a target)",
+    ('stages/03_chunk_parallel/README.md', 'least 20x faster than this stage'): "the seed's expectation (a target)",
+    ('stages/03_chunk_parallel/README.md', "the seed's expectation (3x or more over 02)"): "the seed's expectation (a target)",
+    ('stages/04_warp/README.md', 'is **>= 20x faster than stage 03'): "the seed's expectation (a target)",
+    ('stages/04_warp/README.md', "seed's expectation (20x or more over 03"): "the seed's expectation (a target)",
+    ('notebooks/03_chunk_parallel.ipynb', 'seed expected 3x or more'): "the seed's expectation (a target)",
+    ('stages/04_warp/README.md', "`dg` is about 3x the float32 token loop's error"): 'the ratio of the two errors of that sentence (1.75e-6, 5.8e-7)',
+    ('stages/05_cute_bf16/README.md', "the forward's wall time by about 3%"): "the seed's own H20 profile (shared/seed)",
+    ('stages/08_segments/README.md', 'about 1.3 KB per'): 'a byte count',
+    ('notebooks/08_segments.ipynb', 'about 1.3 KB per token'): 'a byte count',
+    ('docs/PERF_NOTES.md', 'about 1.3 KB per token and head'): 'a byte count',
 }
 
 # Evidence below which a proposed entry is marked for review: a figure of two significant digits (a
@@ -121,12 +169,9 @@ def main(argv=None) -> int:
         if e is None:  # text moved to another document or line: the entry of the same masked line, if one is left
             e = moved.get((f.key[1], f.key[3]))
         if e is not None and "not_measured" not in e:
-            try:
-                v = prose.value_of(e, f.unit, table)
-            except KeyError:
-                v = None
-            if v is not None and prose.matches(f.text, v):
-                results[i] = {**entry, **{x: e[x] for x in ("of", "ratio", "pct", "op", "from", "why", "review") if x in e}}
+            if prose.figure_problem(f, e, table) is None:
+                results[i] = {**entry, **{x: e[x] for x in ("of", "ratio", "pct", "op", "at_most", "at_least", "min", "max", "fact",
+                                                             "from", "why", "review") if x in e}}
                 bound[f.key] = results[i]
                 kept += 1
                 continue

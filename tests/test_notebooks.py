@@ -84,3 +84,55 @@ def test_nbval_run_fails_a_figure_that_does_not_render(tmp_path, backend, fails)
         assert out.returncode != 0 and "draws a figure but shows no image" in out.stdout, out.stdout[-3000:]
     else:
         assert out.returncode == 0, out.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------
+# a chapter's check cell fails when what it checks fails
+# --------------------------------------------------------------------------
+
+def _code(path) -> str:
+    return "\n".join("".join(c["source"]) for c in _load(path)["cells"] if c["cell_type"] == "code")
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem[:2].isdigit()], ids=lambda p: p.stem)
+def test_each_chapter_checks_its_own_stage(path):
+    """Every stage's notebook has the check cell `nb.error_table("NN")` of its own stage, and checks no other
+    stage with it (nb.error_table raises at run time too: test_a_check_cell_of_another_stage_raises)."""
+    import re
+
+    called = re.findall(r"nb\.error_table\(\s*['\"](\d\d)['\"]", _code(path))
+    assert called == [path.stem[:2]], f"{path.name} checks {called}"
+
+
+def test_a_check_cell_of_another_stage_raises(monkeypatch):
+    from common import notebook as nb
+
+    monkeypatch.setenv(nb.NOTEBOOK_ENV, str(REPO_ROOT / "notebooks" / "01_cpp.ipynb"))
+    assert nb.chapter() == "01" and nb.own_stage("1") == "01"
+    with pytest.raises(nb.CheckFailed, match="01_cpp.ipynb checks stage 00"):
+        nb.error_table("00")
+    monkeypatch.setenv(nb.NOTEBOOK_ENV, str(REPO_ROOT / "notebooks" / "summary.ipynb"))
+    assert nb.chapter() is None and nb.own_stage("05") == "05"  # the summary may show any stage
+
+
+def test_a_recorded_check_above_todays_tolerance_raises(monkeypatch):
+    """A GPU stage's notebook on a CPU shows its recorded rows, judged by the stage's tolerance as it is
+    now: a tolerance tightened below a recorded error, or a stage that declares its previous stage's bits
+    where the record differs from them, fails the cell."""
+    import dataclasses
+
+    from common import notebook as nb
+    from common.stages import load_stage
+
+    nb.error_table("07")  # as recorded: within tolerance, stage 06's bits
+    stage = load_stage("07")
+    tight = dataclasses.replace(stage.SPEC, tolerance=dict(o=1e-3, S=5e-3))
+    monkeypatch.setattr(stage, "SPEC", tight)
+    with pytest.raises(nb.CheckFailed, match=r"07_movm_register \(recorded\).* o: 4\.1\de-03 against fp64"):
+        nb.error_table("07")
+    monkeypatch.undo()
+    rec = nb.results.recorded("checks")
+    rows = [dict(r, err_prev=1e-7) if r.get("stage") == "07_movm_register" else r for r in rec["rows"]]
+    monkeypatch.setattr(nb, "_recorded", lambda name: (rec["meta"], rows))
+    with pytest.raises(nb.CheckFailed, match="declares the previous stage bits"):
+        nb.error_table("07")

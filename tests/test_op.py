@@ -13,6 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kdalab
+from common.kernel_model import ReferenceExtension
+from common.metrics import rel_err
 from kdalab import op
 from kdalab.layer import KDALayer
 
@@ -40,44 +42,16 @@ def _params(fn):
     return out
 
 
-class FakeExt:
-    """Stands in for the stages' extensions: records each fwd call (with the stage whose
-    extension was asked for), writes every element of o and ht from the inputs (so
-    outputs depend on them)."""
-
-    def __init__(self):
-        self.calls = []
-        self.stage = None
-
-    def at(self, stage):
-        self.stage = stage
-        return self
-
-    def fwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, o, ht, prof,
-            fused=-1, ncw=0, segment_chunks=0, cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True,
-            beta_mode=1, *, seq_lens=(), long_from=-1):  # keyword-only: stage 12 has pairwise first
-        self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, scale=scale,
-                               gate_id=gate_id, lower_bound=lower_bound, chunk_size=chunk_size, o=o, ht=ht,
-                               prof=prof, fused=fused, ncw=ncw, segment_chunks=segment_chunks,
-                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first,
-                               l2norm=l2norm, beta_mode=beta_mode, seq_lens=list(seq_lens), long_from=long_from,
-                               stage=self.stage))
-        o.copy_(v.float() * scale + q.float() + beta.float()[..., None])
-        ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        ht.add_(lower_bound)
-
-    @property
-    def last(self):
-        return self.calls[-1]
-
-
 @pytest.fixture
 def ext(monkeypatch):
-    """CPU tensors allowed, the extension faked (records calls)."""
-    fake = FakeExt()
+    """CPU tensors allowed, each stage's extension replaced by its fp64 model (common.kernel_model: every
+    argument with its meaning). Returns the model of stage 11; ``.calls`` holds every stage's calls."""
+    calls = []
+    models = {}
     monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(op, "_extension", lambda stage=op.STAGE: fake.at(stage))
-    return fake
+    monkeypatch.setattr(op, "_extension", lambda stage=op.STAGE: models.setdefault(
+        stage, ReferenceExtension(stage, calls)))
+    return op._extension(op.STAGE)
 
 
 @pytest.fixture
@@ -296,7 +270,7 @@ def test_layer_call_runs_the_bounded_gate_in_the_kernel(ext):
     assert torch.equal(c["A_log"], kw["A_log"]) and torch.equal(c["dt_bias"], kw["dt_bias"].view(2, 64))
     assert c["l2norm"] is True and c["beta_mode"] == 1 and c["state_v_first"] is True
     assert c["lower_bound"] == -5.0 and ht is not None and tuple(ht.shape) == (1, 2, 64, 64)
-    assert ht.dtype == torch.float32 and torch.equal(ht, torch.full_like(ht, -5.0))
+    assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
 
 
 @pytest.mark.parametrize("sigmoid,neg,mode", [(False, False, 0), (True, False, 1), (True, True, 2)])
@@ -542,3 +516,144 @@ def test_fla_chunk_kda_dispatches_to_kdalab(fla_backend, ext):
     with pytest.raises(Exception):  # grad enabled: FLA's own kernels (which cannot run on this CPU)
         fla_kda.chunk_kda(**kw)
     assert len(ext.calls) == 1
+
+
+# --------------------------------------------------------------------------
+# what each flag means: the op on the CPU, its kernel an fp64 model, against FLA's own reference
+# --------------------------------------------------------------------------
+#
+# The ``ext`` fixture puts common.kernel_model.ReferenceExtension in place of the stages' extensions: it
+# computes what the kernel's arguments mean (gate id and bound, l2norm, beta mode, layout, packed
+# sequences, max_seqlen, seq_lens) in fp64. FLA's side is built from FLA's own naive functions
+# (fla.ops.kda.naive.naive_recurrent_kda, fla.ops.kda.gate.naive_kda_gate / naive_kda_lowerbound_gate)
+# with its flags applied as its chunk_kda applies them, on the same bf16 values in fp32: the two agree to
+# o's bf16 rounding when the op maps every flag to its meaning, and are far apart when one is lost.
+
+def fla_meaning(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+                A_log=None, dt_bias=None, **_):
+    """fla.ops.kda.chunk_kda's result for these flags, from FLA's naive functions, in fp32."""
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:  # fla.modules.l2norm: x / sqrt(sum x^2 + 1e-6)
+        q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    if use_gate_in_kernel:
+        g = (naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound) if lower_bound is not None
+             else naive_kda_gate(g, A_log, dt_bias))
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    h0 = initial_state
+    if h0 is not None and state_v_first:
+        h0 = h0.transpose(-1, -2)
+    bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
+        [(0, s, e) for s, e in zip(cu_seqlens.tolist(), cu_seqlens.tolist()[1:])]
+    o = torch.zeros(B, T, H, v.shape[-1])
+    S = torch.zeros(N, H, K, v.shape[-1])
+    for n, (b, s, e) in enumerate(bounds):
+        S[n] = 0 if h0 is None else h0[n]
+        if e > s:
+            part = [x[b:b + 1, s:e] for x in (q, k, v, g, beta)]
+            on, Sn = naive_recurrent_kda(*part, scale=scale, initial_state=None if h0 is None else h0[n:n + 1],
+                                         output_final_state=True)
+            o[b:b + 1, s:e], S[n] = on, Sn[0]
+    if state_v_first:
+        S = S.transpose(-1, -2)
+    return o, (S if output_final_state else None)
+
+
+def _meaning_call(N=None, T=37, H=2, D=64, **change):
+    """The KDA layer's call (layer_call), bf16, with h0, changed by ``change``; g a log decay in [-1, 0]
+    where the gate is not in the kernel."""
+    kw = layer_call(T=T, H=H, D=D, N=N)
+    gen = torch.Generator().manual_seed(3)
+    kw["A_log"] = torch.rand(H, generator=gen) * 2 - 1
+    kw["dt_bias"] = torch.randn(H * D, generator=gen) * 0.5 - 1
+    N_ = N or kw["q"].shape[0]
+    kw["initial_state"] = torch.randn(N_, H, D, D, generator=gen) / D ** 0.5
+    kw.update(change)
+    if not kw["use_gate_in_kernel"]:
+        kw["g"] = -torch.rand(kw["q"].shape, generator=gen)
+    return kw
+
+
+MEANINGS = {  # id: the change to the layer's call (bounded gate in the kernel, l2norm, beta sigmoid, V-first)
+    "layer": {},
+    "scale_0.3": dict(scale=0.3),
+    "scale_0": dict(scale=0.0),
+    "no_l2norm": dict(use_qk_l2norm_in_kernel=False),
+    "beta_as_given": dict(use_beta_sigmoid_in_kernel=False),
+    "neg_eigval": dict(allow_neg_eigval=True),
+    "lower_bound_-2": dict(lower_bound=-2.0),
+    "softplus": dict(safe_gate=False, lower_bound=None),
+    "log_decay_safe": dict(use_gate_in_kernel=False, lower_bound=-3.0),
+    "log_decay_unbounded": dict(use_gate_in_kernel=False, safe_gate=False, lower_bound=None),
+    "k_first": dict(state_v_first=False),
+    "fla_defaults": dict(use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                         safe_gate=False, lower_bound=None, state_v_first=False),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("name", list(MEANINGS))
+def test_each_flag_means_what_it_means_in_fla(ext, name, packed):
+    """o and the final state of kdalab.chunk_kda on the CPU (the kernel an fp64 model of its arguments)
+    against FLA's own reference with the same flags: within o's bf16 rounding. Packed: four sequences, one
+    empty and one shorter than a chunk, lengths read from cu_seqlens on the host."""
+    if fla_kda is None:
+        pytest.skip("fla-core is not installed (pip install -e '.[dev]')")
+    kw = _meaning_call(N=4 if packed else None, T=50 if packed else 37, **MEANINGS[name])
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 9, 9, 30, 50])
+        kw["initial_state"] = kw["initial_state"][:4] if kw["initial_state"].shape[0] >= 4 else \
+            torch.randn(4, *kw["initial_state"].shape[1:])
+    else:  # B = 2: each batch row its own sequence and state
+        kw = {n: (torch.cat([t, t.flip(1)]) if n in ("q", "k", "v", "g", "beta") else t) for n, t in kw.items()}
+        kw["initial_state"] = torch.cat([kw["initial_state"], -kw["initial_state"]])
+    o, ht = kdalab.chunk_kda(**kw)
+    fo, fht = fla_meaning(**kw)
+    if kw.get("scale") == 0.0:  # FLA: o = 0 exactly
+        assert torch.equal(o.float(), torch.zeros_like(fo)), "scale=0.0 did not give o = 0"
+    else:
+        assert rel_err(o, fo) < 5e-3, rel_err(o, fo)
+    assert rel_err(ht, fht) < 2e-4, rel_err(ht, fht)  # fp32 against fp64 over up to 50 tokens
+
+
+def test_the_meaning_test_catches_a_lost_flag(ext):
+    """Planted: each flag dropped from the op's plan in turn; the op then differs from FLA by far more than
+    the tolerance above."""
+    kw = _meaning_call()
+    want = fla_meaning(**kw)
+    for flag, wrong in (("use_qk_l2norm_in_kernel", dict(l2norm=False)), ("use_beta_sigmoid_in_kernel",
+                                                                          dict(beta_mode=0)),
+                        ("state_v_first", dict(state_v_first=False)), ("scale", dict(scale=1.0)),
+                        ("lower_bound", dict(lower_bound=-5.0 if kw["lower_bound"] != -5.0 else -1.0))):
+        plan = op._plan
+
+        def lost(*a, _wrong=wrong, **k):
+            return dict(plan(*a, **k), **_wrong)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(op, "_plan", lost)
+            o, ht = kdalab.chunk_kda(**kw)
+        assert max(rel_err(o, want[0]), rel_err(ht, want[1])) > 1e-2, flag
+
+
+def test_a_wrong_max_seqlen_or_seq_lens_is_caught(ext):
+    """max_seqlen bounds the tokens the kernel runs per sequence and seq_lens plans the hybrid: too small
+    a bound, or lengths that are not cu_seqlens', leave outputs unwritten (NaN in the model)."""
+    kw = _meaning_call(N=3, T=50, cu_seqlens=torch.tensor([0, 20, 21, 50]))
+    kw["initial_state"] = kw["initial_state"][:3]
+    o, ht = kdalab.chunk_kda(**kw)
+    assert (ext.last["max_seqlen"], ext.last["seq_lens"]) == (29, [20, 1, 29])
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    for wrong in (dict(max_seqlen=20), dict(seq_lens=[20, 29, 1])):
+        plan = op._plan
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(op, "_plan", lambda *a, _w=wrong, **k: dict(plan(*a, **k), **_w))
+            o, ht = kdalab.chunk_kda(**kw)
+        assert not torch.isfinite(o).all(), wrong
