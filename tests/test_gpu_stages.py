@@ -195,3 +195,23 @@ def test_movmatrix_fragment_identity(sid, kd):
     if kd == 16:  # and it is not A @ X^T
         wrong = A.double() @ X.to(torch.bfloat16).double().t()
         assert ((out.double() - wrong).norm() / wrong.norm()).item() > 0.1
+
+
+@pytest.mark.parametrize("sid", GPU_STAGES)
+def test_the_chapters_check_cell_fails_a_planted_bug(sid, monkeypatch):
+    """The check cell of each chapter (nb.error_table, live on the GPU, quick cases) passes on the stage as
+    it is and raises when its o is off by 3x its tolerance: a student who breaks a stage sees its notebook
+    go red on the GPU too."""
+    from common import notebook as nb
+
+    stage = load_stage(sid)
+    nb.error_table(sid, quick=True)
+    real, eps = stage.forward, 3 * stage.SPEC.tol("o")
+
+    def planted(*a, **k):
+        o, S = real(*a, **k)
+        return (o.float() * (1 + eps)).to(o.dtype), S
+
+    monkeypatch.setattr(stage, "forward", planted)
+    with pytest.raises(nb.CheckFailed, match=rf"{stage.SPEC.name} \(live on cuda"):
+        nb.error_table(sid, quick=True)
