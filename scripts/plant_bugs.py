@@ -219,6 +219,13 @@ def main() -> int:
         print("uncommitted changes under common/ or stages/: commit or stash them first (files are edited in place)")
         return 2
     names = [n for n in MUTATIONS if args.only is None or args.only in n]
+    suites = {tuple(args.tests or (MUTATIONS[n][3] if len(MUTATIONS[n]) > 3 else FAST_TESTS)) for n in names}
+    for tests in suites:  # a plant is caught only by tests that pass without it
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                             capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+        if out.returncode != 0:
+            print(f"the tests fail with no plant ({' '.join(tests)}): fix them first\n{out.stdout[-2000:]}")
+            return 2
     rows = []
     for name in names:
         own = MUTATIONS[name][3] if len(MUTATIONS[name]) > 3 else None

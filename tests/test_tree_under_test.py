@@ -69,11 +69,11 @@ def _pytest(copy, *args, timeout=600):
     return _run(copy, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args, timeout=timeout)
 
 
-def test_this_venv_imports_this_checkout_by_default(copy):
-    """The premise: from the copy, without its conftest or a script's path setup, `common` is this
-    checkout's (the editable install), so each test below shows a mechanism at work."""
+def test_this_venv_imports_another_checkout_by_default(copy):
+    """The premise: from the copy, without its conftest or a script's path setup, `common` is the editable
+    install's (another checkout), so each test below shows a mechanism at work."""
     rc, out = _run(copy, "-c", "import common.paths as p; print(p.REPO_ROOT)")
-    assert rc == 0 and out.strip() == str(REPO_ROOT), out
+    assert rc == 0 and out.strip() and out.strip() != str(copy), out
 
 
 def test_a_planted_error_in_the_copy_fails_its_tests(copy):
