@@ -420,6 +420,13 @@ def test_kdalab_check_fails_a_planted_cpp_batch_bug(tmp_path, name):
     assert out.returncode == 1, out.stdout + out.stderr
     failing = {o for line in re.findall(r": FAIL (.*)$", out.stdout, re.M) for o in line.split(", ")}
     assert failing == want, out.stdout
+    if name == "every-sequence-from-batch-0-h0":  # the chapter's notebook goes red too, in its check cell
+        env = dict(os.environ, KDALAB_STAGES_DIR=str(stages), KDALAB_BUILD=str(tmp_path / "build"))
+        nb = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                             "notebooks/01_cpp.ipynb", "--deselect", "notebooks/01_cpp.ipynb::Cell 1"],  # no profile build
+                            capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=900)
+        assert nb.returncode == 1 and "CheckFailed" in nb.stdout and "01_cpp (live on cpu)" in nb.stdout, \
+            nb.stdout[-3000:]
 
 
 def test_kdalab_check_says_not_checked_without_a_gpu():
