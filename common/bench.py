@@ -315,10 +315,7 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
     o_vs_<prev>. ``profile``: the clock64 regions of each of the stage's rows
     too. A path that fails records its error. ``on_row(row)`` after each row.
     ``segment_chunks`` pins the split path's segment length (``stage.path``)
-    for every row of the stage, and is recorded in them. A stage whose default
-    arithmetic differs from the previous stage's on purpose (stage 12's u) names the
-    pins that undo it, ``stage.as_previous()``: its rows are checked under them and
-    timed as the stage runs."""
+    for every row of the stage, and is recorded in them."""
     from contextlib import nullcontext
 
     from .fla_ref import flashkda_forward
@@ -353,8 +350,7 @@ def path_rows(stage_id, shape: dict, *, budget_s: float = 0.4, flashkda: bool = 
                     with torch.no_grad():
                         return fwd(**kw)
                 ours = who == stage.SPEC.id
-                with (stage.as_previous() if ours else nullcontext()):
-                    o, S = f()
+                o, S = f()
                 if ours:  # read right after the call: a later call replaces the launch log
                     row["kernels"] = [x["kernel"] for x in stage.build().launches()]
                 if who != FLASHKDA_NAME:

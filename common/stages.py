@@ -8,7 +8,6 @@ kernels, ``profile``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -116,13 +115,6 @@ class Stage:
     def previous(self) -> "Stage | None":
         pid = previous(self.id)
         return stage(pid) if pid is not None else None
-
-    def as_previous(self):
-        """The pins under which the stage computes what the previous stage computes, for the
-        comparisons that hold it to the previous stage's bits: its stage.py ``as_previous()``
-        where its default arithmetic differs on purpose (stage 12's u), else none."""
-        pins = getattr(self.module, "as_previous", None)
-        return pins() if pins is not None else contextlib.nullcontext()
 
     def __getattr__(self, attr):
         return getattr(self.module, attr)

@@ -45,11 +45,10 @@ import math
 
 import torch
 
-# The stages whose kernels run: the fastest that supports the call. A bounded gate (the bounded gate, or the
-# log decay with safe_gate) runs stage 11 (stage 12 computes the same, bitwise, but 2-17% slower on the H200:
-# results/h200/stage12/); a gate without a bound (the softplus gate, the log decay without safe_gate) stage 12.
-STAGE = "11"  # stages/11_varlen: packed sequences in one launch, bounded gates
-STAGE_UNBOUNDED = "12"  # stages/12_softplus: the softplus gate and the unbounded log decay (pairwise products)
+# The stage whose kernels run, for every gate: the last of the ladder. A bounded gate (the bounded gate, or the
+# log decay with safe_gate) runs its instantiation of stage 11's arithmetic (stage 11's bits), a gate without a
+# bound (the softplus gate, the log decay without safe_gate) the products as needed.
+STAGE = "12"  # stages/12_softplus
 CHUNK = 16  # the kernel's chunk size (FLA's own is 64: a Triton tiling, not a property of the op)
 _DEVICE_TYPES = ("cuda",)  # where the kernel runs (the CPU tests widen it to reach a fake extension)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,11 +64,6 @@ def _extension(stage: str = STAGE):
 
         _exts[stage] = load_stage(stage).build()
     return _exts[stage]
-
-
-def unbounded(gate_id: int, lower_bound: float) -> bool:
-    """Whether the kernel's gate has no lower bound (stage 12's pairwise products run it)."""
-    return gate_id == 0 or (gate_id == 3 and lower_bound == 0.0)
 
 
 # --------------------------------------------------------------------------
@@ -282,12 +276,10 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         A_log = q.new_zeros(H, dtype=torch.float32)
     if dt_bias is None:
         dt_bias = q.new_zeros(H, K, dtype=torch.float32)
-    ext = _extension(STAGE_UNBOUNDED if unbounded(gate_id, lower_bound) else STAGE)
-    ext.fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound, CHUNK, o, ht,
-                     None,  # prof
-                     -1, 0, 0,  # fused, ncw, segment_chunks: the stage's own rule
-                     cu_seqlens, max_seqlen, state_v_first, l2norm, beta_mode,
-                     seq_lens=seq_lens)  # by name: stage 12's binding has pairwise before it
+    _extension().fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=initial_state, scale=scale,
+                     gate_id=gate_id, lower_bound=lower_bound, chunk_size=CHUNK, o=o, ht=ht, prof=None,
+                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first, l2norm=l2norm,
+                     beta_mode=beta_mode, seq_lens=seq_lens)  # the path, products and u: the stage's rule
     return o, ht if output_final_state else ht.new_empty(0)
 
 
@@ -327,8 +319,7 @@ def chunk_kda(
     max_num_seqs: int | None = None,
     **kwargs,
 ):
-    """fla.ops.kda.chunk_kda (fla-core 0.6.0) on the kernel of stage ``STAGE`` (a bounded gate) or
-    ``STAGE_UNBOUNDED`` (a gate without a bound).
+    """fla.ops.kda.chunk_kda (fla-core 0.6.0) on the kernel of the last stage (``STAGE``), every gate.
     Returns (o [B, T, H, V] in v's dtype, final state fp32 or None). See the
     module docstring for what runs; anything else raises before any kernel."""
     p = _plan(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -77,18 +77,24 @@ def test_softplus_at_most_flas_error(sid, case):
 @pytest.mark.parametrize("case", checks.tc_cases(quick=True) + checks.tc_softplus_cases(quick=True),
                          ids=lambda c: c.id)
 def test_u_in_two_halves_is_closer_to_fp64(sid, case):
-    """u = Af @ v with Af in two bf16 halves (the default) against Af rounded once
-    (u_halves(False), stage 11's u): both within tolerance of fp64, not bitwise equal (the
-    pin reached the kernel), and the default nearer fp64 in both o and the state."""
+    """u = Af @ v with Af in two bf16 halves (u_halves(True): the default of a gate without a
+    bound) against Af rounded once (u_halves(False), stage 11's u: the bounded gate's default),
+    either gate: both within tolerance of fp64, not bitwise equal (the pin picked another
+    instantiation), and the halves nearer fp64 in both o and the state; each gate's default
+    is the instantiation it names."""
     from common.metrics import tolerance
     from common.reference import kda_reference
 
     stage = load_stage(sid)
     inp = checks.case_inputs(case, "cpu", torch.bfloat16)
     ref = checks.run(kda_reference, inp, "cuda", backward=False, dtype=torch.float64)
-    got = checks.run(stage.forward, inp, "cuda", backward=False)
+    default = checks.run(stage.forward, inp, "cuda", backward=False)
+    with stage.u_halves(True):
+        got = checks.run(stage.forward, inp, "cuda", backward=False)
     with stage.u_halves(False):
         once = checks.run(stage.forward, inp, "cuda", backward=False)
+    want = once if case.gate == "bounded" else got
+    assert torch.equal(default["o"], want["o"]) and torch.equal(default["S"], want["S"])
     errs = {n: (rel_err(got[n], ref[n]), rel_err(once[n], ref[n])) for n in ("o", "S")}
     assert max(max(e) for e in errs.values()) <= tolerance("bf16"), errs
     assert not torch.equal(got["S"], once["S"])

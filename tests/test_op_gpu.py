@@ -1,7 +1,7 @@
 """kdalab.chunk_kda on the GPU (marked gpu: skipped where none is visible; on
 the H200 `pytest -m gpu tests/test_op_gpu.py`): torch.library.opcheck with the
 real kernel, torch.compile(fullgraph=True) against eager, CUDA-graph capture
-and replay, the op against stage 11's forward (bitwise), packed sequences
+and replay, the op against the last stage's forward and stage 11's (bitwise), packed sequences
 against the same sequences one by one, and FLA's chunk_kda and KDA layer
 through the backend against FLA's own kernels."""
 
@@ -50,21 +50,23 @@ def _ragged(T, N, seed):
 
 
 # --------------------------------------------------------------------------
-# the op against stage 11 and against itself sequence by sequence
+# the op against the last stage and stage 11, and against itself sequence by sequence
 # --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("N", [None, 6])
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
-def test_op_is_stage_11_bitwise(N, v_first, D):
+def test_op_is_the_last_stage_and_stage_11_bitwise(N, v_first, D):
+    """The op runs the last stage; on a bounded gate that is stage 11's arithmetic, bit for bit."""
     kw = raw(T=333, H=3, D=D, N=N)
     with torch.inference_mode():
         o, ht = kdalab.chunk_kda(**kw, state_v_first=v_first)
-        so, sht = load_stage(op.STAGE).forward(
-            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], A_log=kw["A_log"], dt_bias=kw["dt_bias"].view(3, D),
-            initial_state=kw["initial_state"], gate="bounded", lower_bound=-5.0, cu_seqlens=kw.get("cu_seqlens"),
-            state_v_first=v_first)
-    assert torch.equal(o, so) and torch.equal(ht, sht)
+        for sid in (op.STAGE, "11"):
+            so, sht = load_stage(sid).forward(
+                kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], A_log=kw["A_log"], dt_bias=kw["dt_bias"].view(3, D),
+                initial_state=kw["initial_state"], gate="bounded", lower_bound=-5.0, cu_seqlens=kw.get("cu_seqlens"),
+                state_v_first=v_first)
+            assert torch.equal(o, so) and torch.equal(ht, sht), sid
 
 
 @pytest.mark.parametrize("N", [None, 6])
@@ -83,7 +85,7 @@ def test_softplus_gate_is_stage_12_and_near_fp64(N, extreme):
         kw.update(cu_seqlens=cu, initial_state=torch.randn(N, 3, 128, 128, device="cuda") / 128 ** 0.5)
     with torch.inference_mode():
         o, ht = kdalab.chunk_kda(**kw)
-        so, sht = load_stage(op.STAGE_UNBOUNDED).forward(
+        so, sht = load_stage(op.STAGE).forward(
             kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], A_log=kw["A_log"], dt_bias=kw["dt_bias"].view(3, 128),
             initial_state=kw["initial_state"], gate="softplus", cu_seqlens=kw.get("cu_seqlens"))
     assert torch.equal(o, so) and torch.equal(ht, sht)

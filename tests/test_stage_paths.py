@@ -57,26 +57,22 @@ def test_path_names_are_checked_before_anything_runs(sid):
 
 @pytest.mark.parametrize("pin_sid", [s for s in PATH_STAGES if hasattr(load_stage(s), "u_halves")])
 def test_the_products_and_u_pins_are_checked_and_reach_the_extension(pin_sid):
-    """Stage 12's runtime pins: a wrong value is refused by name; a right one is what the
-    extension is called with inside the block, and the stage's own choice outside it."""
+    """Stage 12's pins of its variants (which instantiation the launcher runs): a wrong value is
+    refused by name; a right one is what the extension is called with inside the block, and the
+    gate's own choice (-1) outside it."""
     S = load_stage(pin_sid)
     with pytest.raises(TypeError, match="pairwise must be True, False or None, got 1"):
         with S.pairwise(1):
             pass
-    with pytest.raises(TypeError, match="u_halves must be True or False, got None"):
-        with S.u_halves(None):
+    with pytest.raises(TypeError, match="u_halves must be True, False or None, got 1"):
+        with S.u_halves(1):
             pass
-    assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] is True
+    assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] == -1
     with S.pairwise(True), S.u_halves(False):
-        assert S._path_args(128)["pairwise"] == 1 and S._path_args(128)["u_halves"] is False
-    assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] is True
-
-
-def as_before(S):
-    """The stage's pins to the arithmetic of the stages before it (stage 12: u from Af
-    rounded once; common.stages.Stage.as_previous), which the bitwise comparisons below
-    hold it to."""
-    return ladder_stage(S).as_previous()
+        assert S._path_args(128)["pairwise"] == 1 and S._path_args(128)["u_halves"] == 0
+    with S.u_halves(True):
+        assert S._path_args(128)["u_halves"] == 1
+    assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] == -1
 
 
 def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):
@@ -104,18 +100,20 @@ def test_every_path_is_correct_and_equal_to_the_previous_stage(sid, name, case):
         pytest.skip(f"stage {sid} has no path {name}")
     P = load_stage(pid)
     inp = checks.case_inputs(case, "cpu", torch.bfloat16)
-    with S.path(name), as_before(S):
+    with S.path(name):
         got = checks.run(S.forward, inp, "cuda", backward=False)
         # read right after the call: the check below runs the previous stage too, whose launches may replace the log
         kernels = {x["kernel"] for x in S.build().launches()}
     with S.path(name):
-        rows = checks.check_case(S, case, device="cuda")
+        rows = checks.check_case(S, case, device="cuda", prev=None)  # against fp64; the previous stage below
     assert kernels == (nb.FUSED_KERNELS if name.startswith("fused") else nb.SPLIT_KERNELS), kernels
     bad = [r for r in rows if not r["ok"]]
     assert not bad, checks.format_rows(bad)
     # the previous stage's same path where it has one (09 against 08), else its rule (08 against 07)
     with (P.path(name) if name in getattr(P, "PATHS", {}) else nullcontext()):
         ref = checks.run(P.forward, inp, "cuda", backward=False)
+    if checks.same_bits(S):  # a stage that declares the previous stage's bits has them on every path
+        assert torch.equal(got["o"], ref["o"]) and torch.equal(got["S"], ref["S"]), f"not bitwise stage {pid}"
     if name.startswith("split"):
         s07 = ref if pid == "07" else checks.run(load_stage("07").forward, inp, "cuda", backward=False)
         for r, who in ((ref, pid), (s07, "07")):
@@ -136,7 +134,7 @@ def test_split_path_in_short_segments_is_bitwise_stage07(sid, case, seg):
     S = load_stage(sid)
     inp = checks.case_inputs(case, "cuda", torch.bfloat16)
     nt = -(-case.T // 16)
-    with S.path("split1", segment_chunks=seg), as_before(S):
+    with S.path("split1", segment_chunks=seg):
         got = checks.run(S.forward, inp, "cuda", backward=False)
         kernels = [x["kernel"] for x in S.build().launches()]
     assert kernels == ["kda_prepare_kernel", "kda_recurrence_kernel"] * -(-nt // seg), kernels

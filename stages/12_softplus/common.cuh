@@ -39,6 +39,27 @@ constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = 2^(x log2 e)
 constexpr float kFactoredRange = 80.f;
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// The prepare's variant (K1 and the fused kernel), a template parameter picked once per
+// call by the launcher (kda.cu, with_prep): the bounded gate's instantiation compiles no
+// pairwise code, and no kernel reads a variant flag at run time.
+//   kProducts (KdaProducts): factored, pairwise in every chunk, or as needed (each chunk
+//     by its own decay);  kUHalves: u = Af @ v with Af in two bf16 halves.
+template <int kProducts, bool kUHalves>
+struct Prep {
+  static constexpr int products = kProducts;
+  static constexpr bool factored = kProducts != KDA_PRODUCTS_PAIRWISE;  // ki = kn / e is formed
+  static constexpr bool pairwise = kProducts != KDA_PRODUCTS_FACTORED;  // gc kept for products_pairwise
+  static constexpr bool as_needed = kProducts == KDA_PRODUCTS_AS_NEEDED;  // the chunk's decay decides
+  // may run a gate without a bound (the softplus gate's pre-stage compiled in): every variant but the
+  // factored one, which needs a bounded gate (the launcher refuses it any other)
+  static constexpr bool unbounded = pairwise;
+  static constexpr bool u_halves = kUHalves;
+};
+
+// What a warp of a warp-specialised block does (the fused kernel: prepare teams, then
+// compute warps; K2: compute warps, then one load warp).
+enum class WarpRole { kPrepare, kLoad, kCompute };
+
 // ---------------------------------------------------------------------------
 // MMA types, shared-memory views, vector accesses, fast approximations
 // ---------------------------------------------------------------------------

@@ -76,7 +76,7 @@ __device__ __forceinline__ bool prep_sync_or(int team, bool pred) {
 // free slot and the barrier after it), FUSED_DECAY (decay_columns), then K1's
 // products, inverse and w/u regions; compute warp 0's lane 0 the K2 regions.
 // ---------------------------------------------------------------------------
-template <int K, int V, int NCW>
+template <int K, int V, int NCW, class Pv>
 __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(const __grid_constant__ KdaFwdParams p) {
   constexpr int VC = VW * NCW;  // value columns per block
   constexpr int NS = V / VC;    // column slices per head
@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
   }
   __syncthreads();  // the barriers exist before any warp uses them
 
-  if (warp < kPrepWarps) {
+  const WarpRole role = warp < kPrepWarps ? WarpRole::kPrepare : WarpRole::kCompute;
+  if (role == WarpRole::kPrepare) {
     // =================== the prepare teams: producers of the ring ===================
     const int team = warp / 4, tid = threadIdx.x % kThreads, twarp = warp % 4;
     const int h = bh % p.H;
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
     for (int n = team; n < nt; n += kPrepTeams) {  // chunk n in slot n % kStages
       prep_sync(team);  // the team's last chunk is done with its scratch
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_BARRIER, tp);
-      stage_row_slices(scratch, p, gs, seq, h, n, twarp, lane, raw);
+      stage_row_slices<K, V, Pv::unbounded>(scratch, p, gs, seq, h, n, twarp, lane, raw);
       load_row_slices(p, seq, h, n + kPrepTeams, twarp, lane, raw);  // the team's next chunk (past the end: zero rows)
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_ISSUE, tp);
       // slot s is refilled once the compute warps released chunk n - kStages
@@ -121,21 +122,23 @@ __global__ void __launch_bounds__(kPrepThreads + 32 * NCW, 1) kda_fused_kernel(c
       if (n >= kStages) mbar_wait(&sm.ring.empty[n % kStages], (n / kStages - 1) & 1);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K2L_WAIT_SLOT, tp);
       prep_sync(team);
-      const bool wide =
-          decay_columns<K, V, K + kPad, BT + kPad, true, false>(scratch, p, tid, &st.qd[0][0], &st.krT[0][0], st.el);
-      const bool any_wide = prep_sync_or(team, wide);  // the chunk's decay, over its key dimensions
+      const bool wide = decay_columns<K, V, K + kPad, BT + kPad, Pv, true, false>(scratch, p, tid, &st.qd[0][0],
+                                                                                 &st.krT[0][0], st.el);
+      bool any_wide = false;  // the chunk's decay, over its key dimensions (as needed only)
+      if constexpr (Pv::as_needed) any_wide = prep_sync_or(team, wide); else prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_FUSED_DECAY, tp);
-      if (pairwise_here(p, any_wide)) {
-        products_pairwise<K, V, BT + kPad, true>(scratch, p, tid, &st.Aqk[0][0]);
+      if constexpr (Pv::pairwise) {
+        if (pairwise_here<Pv>(any_wide)) products_pairwise<K, V, BT + kPad, true>(scratch, p, tid, &st.Aqk[0][0]);
+        else if constexpr (Pv::factored) products<K, V, BT + kPad>(scratch, tid, &st.qd[0][0], &st.Aqk[0][0]);
       } else {
         products<K, V, BT + kPad>(scratch, tid, &st.qd[0][0], &st.Aqk[0][0]);
       }
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_PRODUCTS, tp);
-      if (twarp == 0) invert(scratch, lane, p.u_halves);
+      if (twarp == 0) invert<Pv::u_halves>(scratch, lane);
       prep_sync(team);
       if (tid == 0) KDA_PROF_LAP(p.prof, blockIdx.x, KDA_REG_K1_INVERSE, tp);
-      w_u<K, V, K + kPad, VC>(scratch, tid, &st.w[0][0], &st.u[0][0], col0, p.u_halves);
+      w_u<K, V, K + kPad, VC, Pv::u_halves>(scratch, tid, &st.w[0][0], &st.u[0][0], col0);
       // release: this thread's writes to the slot are ordered before the compute
       // warps' reads, which wait for all 128 arrivals of the team
       mbar_arrive(&sm.ring.full[n % kStages]);

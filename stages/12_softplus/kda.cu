@@ -27,11 +27,14 @@
 //     every state update is built, no longer carries Af's bf16 rounding (the largest
 //     error of the state after vcorr's own rounding, which is on the serial chain).
 //
-// The bounded gate keeps the factored products unless the caller pins pairwise
-// (p.pairwise, the binding's `pairwise`): with it a call computes the same L and Aqk
-// pair by pair in every chunk, which is how the scheme's cost is measured. With
-// p.u_halves = 0 (the binding's `u_halves=False`) u is stage 11's: a bounded call with
-// both left to stage 11's choice is stage 11's, bitwise.
+// The variants are template parameters of the prepare kernels (common.cuh Prep), picked
+// once per call by with_prep below from KdaFwdParams::products and u_halves, which the
+// binding sets from the gate: a bounded gate runs the factored products with u rounded
+// once, stage 11's instantiation (its bits and its code: no pairwise code is compiled
+// into it); a gate without a bound runs the products as needed with u in two halves.
+// The caller may pin either (the binding's `pairwise` and `u_halves`): with pairwise
+// in every chunk a call computes the same L and Aqk pair by pair, which is how the
+// scheme's cost is measured.
 //
 // Files (one translation unit: kda.cu includes the kernel files):
 //   common.cuh      constants, MMA helpers and fragment moves, vector accesses,
@@ -89,36 +92,58 @@ cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   return launch_recurrence_ring<K, V, NCW, kStagesFor<K>>(p, blocks, stream);
 }
 
-template <int K, int V, int NCW>
+template <int K, int V, int NCW, class Pv>
 cudaError_t launch_fused(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));
   const size_t smem = sizeof(FusedSmem<K, V, NCW>);
   const int threads = kPrepThreads + 32 * NCW;
-  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_fused_kernel<K, V, NCW>, smem));
-  kda_note_launch("kda_fused_kernel", (const void*)kda_fused_kernel<K, V, NCW>, dim3((unsigned)blocks), dim3(threads), smem);
-  kda_fused_kernel<K, V, NCW><<<(unsigned)blocks, threads, smem, stream>>>(p);
+  KDA_RETURN_IF_ERROR(kda_allow_smem(kda_fused_kernel<K, V, NCW, Pv>, smem));
+  kda_note_launch("kda_fused_kernel", (const void*)kda_fused_kernel<K, V, NCW, Pv>, dim3((unsigned)blocks), dim3(threads), smem);
+  kda_fused_kernel<K, V, NCW, Pv><<<(unsigned)blocks, threads, smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The prepare's variant of a call (KdaFwdParams::products, u_halves) as the type Prep<...>,
+// handed to f: the launcher's one switch over the variants (FlashKDA's launch_fwd picks its
+// template arguments the same way). Each case is an instantiation of K1 and the fused kernel.
+template <class F>
+cudaError_t with_prep(const KdaFwdParams& p, F&& f) {
+  switch (p.products * 2 + p.u_halves) {
+    case KDA_PRODUCTS_FACTORED * 2 + 0: return f(Prep<KDA_PRODUCTS_FACTORED, false>{});    // the bounded gate's
+    case KDA_PRODUCTS_FACTORED * 2 + 1: return f(Prep<KDA_PRODUCTS_FACTORED, true>{});
+    case KDA_PRODUCTS_AS_NEEDED * 2 + 1: return f(Prep<KDA_PRODUCTS_AS_NEEDED, true>{});  // an unbounded gate's
+    case KDA_PRODUCTS_AS_NEEDED * 2 + 0: return f(Prep<KDA_PRODUCTS_AS_NEEDED, false>{});
+    case KDA_PRODUCTS_PAIRWISE * 2 + 1: return f(Prep<KDA_PRODUCTS_PAIRWISE, true>{});
+    case KDA_PRODUCTS_PAIRWISE * 2 + 0: return f(Prep<KDA_PRODUCTS_PAIRWISE, false>{});
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <int K, int V>
 cudaError_t launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStream_t stream, int kernels) {
   if (plan.fused) {
-    switch (plan.ncw) {
-      case 1: return launch_fused<K, V, 1>(p, stream);
-      case 2: return launch_fused<K, V, 2>(p, stream);
-      case 4: return launch_fused<K, V, 4>(p, stream);
-      case 8: if constexpr (V >= 128) return launch_fused<K, V, 8>(p, stream);
-              return cudaErrorInvalidValue;
-      default: return cudaErrorInvalidValue;
-    }
+    return with_prep(p, [&](auto pv) -> cudaError_t {
+      using Pv = decltype(pv);
+      switch (plan.ncw) {
+        case 1: return launch_fused<K, V, 1, Pv>(p, stream);
+        case 2: return launch_fused<K, V, 2, Pv>(p, stream);
+        case 4: return launch_fused<K, V, 4, Pv>(p, stream);
+        case 8: if constexpr (V >= 128) return launch_fused<K, V, 8, Pv>(p, stream);
+                return cudaErrorInvalidValue;
+        default: return cudaErrorInvalidValue;
+      }
+    });
   }
   const long long bhs = (long long)p.N * p.H;  // N*H*NT and N*H*V/16 <= INT_MAX (checked by the binding)
   if (kernels & KDA_LAUNCH_K1) {
-    const size_t smem1 = sizeof(K1Smem<K, V>);
-    KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V>, smem1));
-    kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V>, dim3((unsigned)(bhs * p.NC)), dim3(kThreads), smem1);
-    kda_prepare_kernel<K, V><<<(unsigned)(bhs * p.NC), kThreads, smem1, stream>>>(p);
-    KDA_RETURN_IF_ERROR(cudaGetLastError());
+    KDA_RETURN_IF_ERROR(with_prep(p, [&](auto pv) -> cudaError_t {
+      using Pv = decltype(pv);
+      const size_t smem1 = sizeof(K1Smem<K, V>);
+      KDA_RETURN_IF_ERROR(kda_allow_smem(kda_prepare_kernel<K, V, Pv>, smem1));
+      kda_note_launch("kda_prepare_kernel", (const void*)kda_prepare_kernel<K, V, Pv>, dim3((unsigned)(bhs * p.NC)), dim3(kThreads), smem1);
+      kda_prepare_kernel<K, V, Pv><<<(unsigned)(bhs * p.NC), kThreads, smem1, stream>>>(p);
+      return cudaGetLastError();
+    }));
   }
   if (!(kernels & KDA_LAUNCH_K2)) return cudaSuccess;
   if (plan.ncw == 2) return launch_recurrence<K, V, 2>(p, stream);
@@ -204,8 +229,8 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
   if (!(raw_gate && p.g != nullptr) && !(p.gate_id == KDA_GATE_LOG && p.g_log != nullptr))
     return cudaErrorInvalidValue;  // the gate and its input
   const bool bounded = p.gate_id == KDA_GATE_BOUNDED || (p.gate_id == KDA_GATE_LOG && p.lower_bound < 0.f);
-  if (p.pairwise < KDA_PRODUCTS_FACTORED || p.pairwise > KDA_PRODUCTS_AS_NEEDED ||
-      (!bounded && p.pairwise == KDA_PRODUCTS_FACTORED))
+  if (p.products < KDA_PRODUCTS_FACTORED || p.products > KDA_PRODUCTS_AS_NEEDED ||
+      (!bounded && p.products == KDA_PRODUCTS_FACTORED))
     return cudaErrorInvalidValue;  // the factored products in every chunk need a bounded gate
   if (p.beta_mode < 0 || p.beta_mode > 2 || (p.u_halves != 0 && p.u_halves != 1)) return cudaErrorInvalidValue;
   if (p.n_skip < 0 || p.n_skip > KDA_MAX_SKIP || (p.n_skip > 0 && !plan.fused)) return cudaErrorInvalidValue;

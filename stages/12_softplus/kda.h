@@ -23,7 +23,7 @@
 // beta = 0 and gate a = 0, which leaves every real token's result unchanged. The
 // state h0, ht is [N, H, K, V], or [N, H, V, K] with state_v_first.
 //
-// Two ways to form L and Aqk (KdaFwdParams::pairwise):
+// Two ways to form L and Aqk (KdaFwdParams::products):
 //   factored (stage 11's, bounded gates only): kd @ ki^T and qd @ ki^T on the
 //          tensor cores, ki = kn exp(-gc) <= kn e^80 with the bounded gate;
 //   pairwise (any gate a <= 0): per pair (i >= j), sum_d kn_i kn_j exp(gc_i - gc_j)
@@ -76,7 +76,7 @@ enum KdaGate {
   KDA_GATE_LOG = 3,       // a = g_log as it is (fp32; a <= 0, and >= lower_bound unless lower_bound = 0)
 };
 
-// How a chunk's L and Aqk are formed (KdaFwdParams::pairwise, the binding's pairwise).
+// How a chunk's L and Aqk are formed (KdaFwdParams::products, the binding's pairwise).
 enum KdaProducts {
   KDA_PRODUCTS_FACTORED = 0,   // through exp(-gc) (stages 05-11; bounded gates only)
   KDA_PRODUCTS_PAIRWISE = 1,   // pair by pair (products_pairwise) in every chunk, any gate
@@ -113,10 +113,11 @@ struct KdaFwdParams {
   const float* h0;            // [N, H, K, V] ([N, H, V, K] with state_v_first) initial state, or nullptr (zero state)
   float scale;
   float lower_bound;  // bounded gate: a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias))
+  // ---- the prepare's variant: which instantiation the launcher runs (read by kda_fwd_launch only) ----
+  int products;       // KdaProducts: how L and Aqk are formed
+  int u_halves;       // 1: u = Af_hi @ v + Af_lo @ v (Af in two bf16 halves: u to fp32 accuracy); 0: Af in bf16 once
   // ---- the caller's layout and activations (runtime flags, read uniformly by the pre-stage) ----
   int gate_id;        // KDA_GATE_SOFTPLUS, KDA_GATE_BOUNDED or KDA_GATE_LOG
-  int pairwise;       // KdaProducts: how L and Aqk are formed
-  int u_halves;       // 1: u = Af_hi @ v + Af_lo @ v (Af in two bf16 halves: u to fp32 accuracy); 0: Af in bf16 once
   int l2norm;         // 1: q, k L2-normalised here; 0: taken as they are
   int beta_mode;      // 0: beta as it is; 1: sigmoid(beta); 2: 2 sigmoid(beta) (FLA's allow_neg_eigval)
   int state_v_first;  // 1: h0, ht are [N, H, V, K]

@@ -103,7 +103,8 @@ __device__ __forceinline__ GateParams<K> gate_params(const KdaFwdParams& p, int 
 // order (the split path stays bitwise stage 07's). The source order puts the four
 // rows' work side by side: first every sum of squares, then the butterfly level by
 // level over all rows (8 independent shuffles in flight).
-template <int K, int V>
+// kSoftplus: the softplus gate's branch compiled in (the variants that take a gate without a bound).
+template <int K, int V, bool kSoftplus>
 __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateParams<K>& gp,
                                            const SeqSpan& s, int h, int n, int warp, int lane, const RawRows<K, V>& r) {
   constexpr int kRows = RawRows<K, V>::kRows, QV = RawRows<K, V>::QV, VV = RawRows<K, V>::VV;
@@ -143,7 +144,7 @@ __device__ __forceinline__ void stage_rows(K1Smem<K, V>& sm, const KdaFwdParams&
 #pragma unroll
       for (int j = 0; j < QV; ++j) av[j] = 0.f;
       if (real) load_vec(p.g_log + token_row(p, s, n * BT + c, h) * K + lane * QV, av);
-    } else if (p.gate_id == KDA_GATE_SOFTPLUS) {  // a = -exp(A_log) softplus(g + dt_bias): unbounded below
+    } else if (kSoftplus && p.gate_id == KDA_GATE_SOFTPLUS) {  // a = -exp(A_log) softplus(g + dt_bias): no bound
 #pragma unroll
       for (int j = 0; j < QV; ++j) {
         const float xg = static_cast<float>(r.g[i][j]) + gp.dtb[j];
@@ -247,7 +248,7 @@ __device__ __forceinline__ GateSlices<K> gate_slices(const KdaFwdParams& p, int 
 // The caller's activations, as uniform branches: l2norm 0 (qn = scale q, kn = k),
 // gate_id 0 (the softplus gate, GateSlices), gate_id 3 (a = log2 e g_log, read here: see
 // load_rows), beta_mode (beta_of).
-template <int K, int V>
+template <int K, int V, bool kSoftplus>
 __device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdParams& p, const GateSlices<K>& gs,
                                                  const SeqSpan& s, int h, int n, int warp, int lane,
                                                  const RowSlices<K, V>& r) {
@@ -285,7 +286,7 @@ __device__ __forceinline__ void stage_row_slices(K1Smem<K, V>& sm, const KdaFwdP
       if (real) load_vec(p.g_log + token_row(p, s, n * BT + c, h) * K + 32 * m + f0, av);
 #pragma unroll
       for (int j = 0; j < 4; ++j) av[j] *= kLog2e;
-    } else if (p.gate_id == KDA_GATE_SOFTPLUS) {  // a (log2 units) = min(y, 0) - aexp lg2(1 + 2^(-|y| / aexp))
+    } else if (kSoftplus && p.gate_id == KDA_GATE_SOFTPLUS) {  // a (log2) = min(y, 0) - aexp lg2(1 + 2^(-|y| / aexp))
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float y = fmaf(static_cast<float>(r.g[m][j]), gs.c1, gs.c0[m][j]);
@@ -339,12 +340,12 @@ __device__ __forceinline__ int el_index(int d) {
 //   cannot tell the ring slot from the scratch). K1 keeps expf and one loop, so
 //   that the split path stays bitwise stage 07's. kQdScratch = false: qd goes to
 //   out_qd only (products then reads it there).
-template <int K, int V, int LDQ, int LDKR, bool kFast = false, bool kQdScratch = true>
+template <int K, int V, int LDQ, int LDKR, class Pv, bool kFast = false, bool kQdScratch = true>
 __device__ __forceinline__ bool decay_columns(K1Smem<K, V>& sm, const KdaFwdParams& p, int tid, bf16* out_qd,
                                               bf16* out_krT, float* out_el) {
   static_assert(LDKR % 8 == 0, "16-byte aligned rows of kr^T");
-  const bool pw = p.pairwise != KDA_PRODUCTS_FACTORED;   // gc to shared, kr from exp(glast - gc)
-  const bool fac = p.pairwise != KDA_PRODUCTS_PAIRWISE;  // ki = kn / e
+  constexpr bool pw = Pv::pairwise;  // gc to shared, kr from exp(glast - gc)
+  constexpr bool fac = Pv::factored;  // ki = kn / e
   bool wide = false;
 #pragma unroll
   for (int d0 = 0; d0 < K; d0 += kThreads) {  // K = 128: once, no loop; K = 64: threads 64-127 idle
@@ -370,19 +371,22 @@ __device__ __forceinline__ bool decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
       bf16 kd[BT], ki[BT], qd[BT];
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
-        const float e = ex2_approx(av[c]), ie = fac ? ex2_approx(-av[c]) : 0.f;
+        const float e = ex2_approx(av[c]);
+        float ie = 0.f;
+        if constexpr (fac) ie = ex2_approx(-av[c]);
         kd[c] = bf16(kv[c] * e);
         ki[c] = bf16(kv[c] * ie);
         qd[c] = bf16(qv[c] * e);  // qn carries the scale (stage_row_slices)
-        const float er = pw ? ex2_approx(acc - av[c]) : el * ie;  // exp(glast - gc)
+        float er;  // exp(glast - gc)
+        if constexpr (pw) er = ex2_approx(acc - av[c]); else er = el * ie;
         const uint32_t kr_bits = bf16(kv[c] * er).raw();
         kr_row[c / 2] = (c % 2 == 0) ? kr_bits : (kr_row[c / 2] | (kr_bits << 16));
       }
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
         sm.kd[c][d] = kd[c];
-        if (pw) sm.a[c][d] = av[c];  // gc (log2 units) for products_pairwise
-        if (fac) sm.ki[c][d] = ki[c];
+        if constexpr (pw) sm.a[c][d] = av[c];  // gc (log2 units) for products_pairwise
+        if constexpr (fac) sm.ki[c][d] = ki[c];
         if constexpr (kQdScratch) sm.qd[c][d] = qd[c];
         out_qd[c * LDQ + d] = qd[c];
       }
@@ -403,9 +407,10 @@ __device__ __forceinline__ bool decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
         const float knv = sm.kn[c][d];
         sm.kd[c][d] = bf16(knv * e);
         const float ie = 1.0f / e;
-        if (pw) sm.a[c][d] = gc[c];  // for products_pairwise
-        if (fac) sm.ki[c][d] = bf16(knv * ie);
-        const float er = pw ? expf(acc - gc[c]) : el * ie;  // exp(glast - gc)
+        if constexpr (pw) sm.a[c][d] = gc[c];  // for products_pairwise
+        if constexpr (fac) sm.ki[c][d] = bf16(knv * ie);
+        float er;  // exp(glast - gc)
+        if constexpr (pw) er = expf(acc - gc[c]); else er = el * ie;
         const bf16 qdv = bf16(p.scale * sm.qn[c][d] * e);
         if constexpr (kQdScratch) sm.qd[c][d] = qdv;
         out_qd[c * LDQ + d] = qdv;
@@ -423,8 +428,10 @@ __device__ __forceinline__ bool decay_columns(K1Smem<K, V>& sm, const KdaFwdPara
 // Whether a chunk forms L and Aqk pair by pair: always (KDA_PRODUCTS_PAIRWISE), never
 // (FACTORED), or where one of its key dimensions decays by more than kFactoredRange
 // (AS_NEEDED; any_wide is decay_columns' answer ORed over the chunk's threads).
-__device__ __forceinline__ bool pairwise_here(const KdaFwdParams& p, bool any_wide) {
-  return p.pairwise == KDA_PRODUCTS_PAIRWISE || (p.pairwise == KDA_PRODUCTS_AS_NEEDED && any_wide);
+template <class Pv>
+__device__ __forceinline__ bool pairwise_here(bool any_wide) {
+  if constexpr (Pv::as_needed) return any_wide;
+  return Pv::products == KDA_PRODUCTS_PAIRWISE;
 }
 
 // Phase 3: L/Aqk products, one warp each (both read ki as B; warps 2-3 wait):
@@ -525,8 +532,9 @@ __device__ __forceinline__ void products_pairwise(K1Smem<K, V>& sm, const KdaFwd
     float acc[32];  // [which][ii][jj]: which 0 = L, 1 = Aqk
 #pragma unroll
     for (int x = 0; x < 32; ++x) acc[x] = 0.f;
-#pragma unroll
-    for (int dd = 0; dd < K / 32; ++dd) {  // row by row: few values live beside the 32 sums
+#pragma unroll 1
+    for (int dd = 0; dd < K / 32; ++dd) {  // row by row: few values live beside the 32 sums (not unrolled: the
+                                           // fused kernel's 128 registers hold no more, and wide chunks are rare)
       const int d = 32 * dd + lane;
       float gj[4], kj[4];
 #pragma unroll
@@ -583,8 +591,8 @@ __device__ __forceinline__ void products_pairwise(K1Smem<K, V>& sm, const KdaFwd
 //   row i comes out 1 by themselves. Af[c, i] = X[c, i] * beta[i] leaves straight
 //   from the registers as bf16; with halves also its rounding error as a second bf16,
 //   Afl = X * beta - Af, so that Af + Afl carries X * beta to about 2^-17 (w_u).
-template <int K, int V>
-__device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane, bool halves) {
+template <bool kHalves, int K, int V>
+__device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane) {
   const int i = lane & (BT - 1);  // lanes 16-31 repeat lanes 0-15 and store nothing
   float x[BT];
 #pragma unroll
@@ -601,7 +609,7 @@ __device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane, bool halves) 
       const float y = x[c] * bi;
       const bf16 hi = bf16(y);
       sm.Af[c][i] = hi;
-      if (halves) sm.Afl[c][i] = bf16(y - float(hi));
+      if constexpr (kHalves) sm.Afl[c][i] = bf16(y - float(hi));
     }
   }
 }
@@ -615,8 +623,8 @@ __device__ __forceinline__ void invert(K1Smem<K, V>& sm, int lane, bool halves) 
 //   transposed layout of the same shared array (likewise v). Straight from the
 //   accumulators to the destination (rows of padded tokens are zero: Af's rows and
 //   columns there are zero since beta = 0).
-template <int K, int V, int LDW, int UC>
-__device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, float* out_u, int u_col0, bool halves) {
+template <int K, int V, int LDW, int UC, bool kHalves>
+__device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, float* out_u, int u_col0) {
   TiledMma4 mma;
   auto thr_mma = mma.get_slice(tid);
   Tensor sAf = smem_rows<BT, BT, BT + kPad>(&sm.Af[0][0]);     // (BT,BT)  (c, j)
@@ -637,7 +645,7 @@ __device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, floa
   Tensor accU = thr_mma.partition_fragment_C(cU);             // (MMA,MMA_M,MMA_N)
   clear(accU);
   mma_smem<SM75_U16x4_LDSM_T>(mma, tid, sAf, sVT, accU);
-  if (halves) mma_smem<SM75_U16x4_LDSM_T>(mma, tid, smem_rows<BT, BT, BT + kPad>(&sm.Afl[0][0]), sVT, accU);
+  if constexpr (kHalves) mma_smem<SM75_U16x4_LDSM_T>(mma, tid, smem_rows<BT, BT, BT + kPad>(&sm.Afl[0][0]), sVT, accU);
   CUTE_UNROLL
   for (int e = 0; e < size(accU); ++e) {
     const int c = get<0>(tCcU(e)), vd = get<1>(tCcU(e)) - u_col0;
@@ -651,9 +659,10 @@ __device__ __forceinline__ void w_u(K1Smem<K, V>& sm, int tid, bf16* out_w, floa
 // sequence), block = 128 threads, dynamic smem = sizeof(K1Smem). Writes the chunk's
 // slot of qd, w, krT, Aqk, u, el; a block whose chunk lies past its sequence's end
 // (the segment covers the longest sequence) returns at once and writes nothing.
+// Pv (Prep): how L and Aqk are formed and u is rounded, chosen once per call by the launcher.
 // Profile: thread 0, slot = bh * NT + n (one per chunk of the longest sequence), regions K1_*.
 // ---------------------------------------------------------------------------
-template <int K, int V>
+template <int K, int V, class Pv>
 __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_constant__ KdaFwdParams p) {
   static_assert(K % 32 == 0 && V % 32 == 0, "K, V multiples of 32");
   extern __shared__ __align__(16) unsigned char kda_smem[];
@@ -671,25 +680,28 @@ __global__ void __launch_bounds__(kThreads) kda_prepare_kernel(const __grid_cons
 
   RawRows<K, V> raw;
   load_rows(p, s, h, n, warp, lane, raw);
-  stage_rows(sm, p, gate_params<K>(p, h, lane), s, h, n, warp, lane, raw);
+  stage_rows<K, V, Pv::unbounded>(sm, p, gate_params<K>(p, h, lane), s, h, n, warp, lane, raw);
   __syncthreads();
   bf16* const qd_out = reinterpret_cast<bf16*>(p.qd) + slot * BT * K;
   bf16* const krT_out = reinterpret_cast<bf16*>(p.krT) + slot * K * BT;
   float* const el_out = p.el + slot * K;
-  const bool wide = decay_columns<K, V, K, BT>(sm, p, tid, qd_out, krT_out, el_out);
-  const bool any_wide = __syncthreads_or(wide);  // the chunk's decay, over its key dimensions
+  const bool wide = decay_columns<K, V, K, BT, Pv>(sm, p, tid, qd_out, krT_out, el_out);
+  bool any_wide = false;  // the chunk's decay, over its key dimensions (as needed only)
+  if constexpr (Pv::as_needed) any_wide = __syncthreads_or(wide); else __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRE, tp);
-  if (pairwise_here(p, any_wide)) {
-    products_pairwise<K, V, BT, false>(sm, p, tid, reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
+  bf16* const aqk_out = reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT;
+  if constexpr (Pv::pairwise) {
+    if (pairwise_here<Pv>(any_wide)) products_pairwise<K, V, BT, false>(sm, p, tid, aqk_out);
+    else if constexpr (Pv::factored) products<K, V, BT>(sm, tid, &sm.qd[0][0], aqk_out);
   } else {
-    products<K, V, BT>(sm, tid, &sm.qd[0][0], reinterpret_cast<bf16*>(p.Aqk) + slot * BT * BT);
+    products<K, V, BT>(sm, tid, &sm.qd[0][0], aqk_out);
   }
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_PRODUCTS, tp);
-  if (warp == 0) invert(sm, lane, p.u_halves);
+  if (warp == 0) invert<Pv::u_halves>(sm, lane);
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_INVERSE, tp);
-  w_u<K, V, K, V>(sm, tid, reinterpret_cast<bf16*>(p.w) + slot * BT * K, p.u + slot * BT * V, 0, p.u_halves);
+  w_u<K, V, K, V, Pv::u_halves>(sm, tid, reinterpret_cast<bf16*>(p.w) + slot * BT * K, p.u + slot * BT * V, 0);
   if (tid == 0) KDA_PROF_LAP(p.prof, prof_slot, KDA_REG_K1_WU, tp);
 }
 

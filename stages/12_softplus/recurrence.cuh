@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(32 * (NCW + 1)) kda_recurrence_kernel(const __
   __syncthreads();  // the barriers exist before any warp uses them (the only block-wide barrier)
   KDA_PROF_START(tp);
 
-  if (warp == NCW) {
+  const WarpRole role = warp == NCW ? WarpRole::kLoad : WarpRole::kCompute;
+  if (role == WarpRole::kLoad) {
     // =================== the load warp: producer of the ring ===================
     const bf16* gQd = reinterpret_cast<const bf16*>(p.qd);
     const bf16* gW = reinterpret_cast<const bf16*>(p.w);

@@ -6,12 +6,14 @@ by pair with each pair's decay exp(gc_i - gc_j) <= 1 (``products_pairwise`` in
 prepare.cuh), where stages 05-11 factor them through exp(-gc), which overflows
 without a bound. A chunk goes pair by pair only when one of its key dimensions decays
 by more than FACTORED_RANGE within it (``wide_chunks`` counts them); the rest keep
-the factored products. u = Af @ v is formed with Af in two bf16 halves (u to fp32
-accuracy: the state's error falls by about a sixth). Everything else is stage 11's:
-packed sequences, the state in either layout, the caller's activations (for the op).
-``pairwise(True)`` pins the pairwise products in every chunk, for any gate (the
-measurement of what they cost); ``u_halves(False)`` forms u as stage 11 (with the
-factored products: stage 11's bits); ``path`` pins one path.
+the factored products. Without a bound, u = Af @ v is formed with Af in two bf16 halves
+(u to fp32 accuracy: the state's error falls by about a sixth). A bounded gate runs
+stage 11's instantiation of the kernels (the factored products, u rounded once: its
+bits). Everything else is stage 11's: packed sequences, the state in either layout, the
+caller's activations (for the op). Each variant is a template instantiation the
+launcher picks once per call (kda.cu ``with_prep``): ``pairwise(True)`` picks the
+pairwise products in every chunk, for any gate (the measurement of what they cost);
+``u_halves(True)`` or ``(False)`` u in halves or once; ``path`` pins one path.
 """
 
 from pathlib import Path
@@ -32,6 +34,10 @@ SOURCES = ["kda.cu", "binding.cpp"]
 # stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
 # results/h200/checks.json).
 TOLERANCE = dict(o=5e-3, S=5e-3)
+
+# Checked, not assumed: a check fails on any difference from the previous stage (common.checks.judge);
+# a bounded gate runs stage 11's instantiation of the kernels: stage 11's bits.
+SAME_BITS_AS_PREVIOUS = True
 
 SPEC = StageSpec(
     name="12_softplus",
@@ -59,8 +65,9 @@ SPEC = StageSpec(
     extra={"cutlass": True, "min_sm": 80},
 )
 
-# No build switches: the stage's ideas are runtime choices (``pairwise``, ``u_halves``), so
-# that each runs either way in one build on the same inputs; stage 10's switches are stage 10's.
+# No build switches: each variant of the stage's ideas (``pairwise``, ``u_halves``) is an
+# instantiation of one build, picked per call, so that each runs either way on the same inputs;
+# stage 10's switches are stage 10's.
 ABLATIONS = ()
 
 
@@ -166,7 +173,7 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
 _PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
-_U_HALVES: ContextVar = ContextVar("u_halves_pin", default=True)  # u from Af in two bf16 halves (u_halves)
+_U_HALVES: ContextVar = ContextVar("u_halves_pin", default=None)  # None: the gate's; True / False: pinned
 
 
 def path_error(name, V):
@@ -220,7 +227,8 @@ def _path_args(V) -> dict:
     fused, ncw = PATHS[name] if name is not None else (-1, 0)
     pw = _PAIRWISE.get()
     return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0, pairwise=-1 if pw is None else int(pw),
-                long_from=-1 if long_from is None else long_from, u_halves=_U_HALVES.get())
+                long_from=-1 if long_from is None else long_from,
+                u_halves=-1 if _U_HALVES.get() is None else int(_U_HALVES.get()))
 
 
 def _check_pairwise(pin, c):
@@ -247,24 +255,17 @@ def pairwise(on=True):
 
 @contextmanager
 def u_halves(on=True):
-    """Pin how the calls inside the block form u = Af @ v: True (the default) with Af in two
-    bf16 halves, Af_hi + Af_lo, so that u, from which every state update is built, carries
-    no bf16 rounding of Af; False with Af rounded to bf16 once, as stages 05-11 (on the
-    bounded gate with the factored products: stage 11's bits)."""
-    if not isinstance(on, bool):
-        raise TypeError(f"u_halves must be True or False, got {on!r}")
+    """Pin how the calls inside the block form u = Af @ v: True with Af in two bf16 halves,
+    Af_hi + Af_lo, so that u, from which every state update is built, carries no bf16
+    rounding of Af (a gate without a bound does so by default); False with Af rounded to
+    bf16 once, as stages 05-11 (a bounded gate's default: stage 11's bits); None the gate's."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"u_halves must be True, False or None, got {on!r}")
     token = _U_HALVES.set(on)
     try:
         yield
     finally:
         _U_HALVES.reset(token)
-
-
-def as_previous():
-    """The pins under which this stage computes what stage 11 computes on the bounded gate
-    (u from Af rounded once): what the comparisons with stage 11 hold it to, bit for bit on
-    the split path (common.bench.path_rows, tests/test_stage_paths.py)."""
-    return u_halves(False)
 
 
 def frag_check(A, X):
