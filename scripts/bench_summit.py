@@ -8,7 +8,8 @@ same inputs (drawn on the GPU, h0 present):
   outputs are stage 11's bits) and FlashKDA (K = V = 128), the bounded gate at -5;
 - part ``softplus``: the last stage with Kimi Linear's softplus gate; with ``--before DIR``
   also the same part for the stage directory of an earlier commit (DIR holds it as
-  DIR/12_softplus), run in a subprocess (its own build directory) and labelled ``before``.
+  DIR/12_softplus), run in a subprocess (its own build directory) after each round of this
+  process's rows, labelled ``before``.
 
 Each row: GPU time (CUDA-graph replay where it captures; CUDA events otherwise), the
 eager time and the peak memory of one call (common.bench._timed, peak_mb).
@@ -81,16 +82,17 @@ def softplus_rows(shapes, rnd, last, on_row, label=None) -> None:
         torch.cuda.empty_cache()
 
 
-def before_rows(before: Path, shapes_arg, rounds: int) -> list[dict]:
-    """The softplus part on the stage directory ``before`` (an earlier commit's), in a subprocess."""
+def before_rows(before: Path, shapes_arg, rnd: int) -> list[dict]:
+    """One round of the softplus part on the stage directory ``before`` (an earlier commit's), in a
+    subprocess with its own build directory; rounds alternate with this process's."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "before.json"
         env = dict(os.environ, KDALAB_STAGES_DIR=str(before.resolve()), KDALAB_BUILD="/tmp/kdalab_build_before")
-        cmd = [sys.executable, __file__, "--parts", "softplus", "--rounds", str(rounds), "--label", "before",
+        cmd = [sys.executable, __file__, "--parts", "softplus", "--rounds", "1", "--label", "before",
                "--out", str(out)] + (["--shapes", shapes_arg] if shapes_arg else [])
         rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
-        say(f"the earlier kernel ({before}): rc={rc}")
-        return json.loads(out.read_text())["rows"] if out.exists() else []
+        say(f"the earlier kernel ({before}), round {rnd}: rc={rc}")
+        return [dict(r, round=rnd) for r in json.loads(out.read_text())["rows"]] if out.exists() else []
 
 
 def main(argv=None) -> int:
@@ -126,9 +128,9 @@ def main(argv=None) -> int:
                 softplus_rows(shapes, rnd, last, on_row, args.label)
             else:
                 ap.error(f"unknown part {part!r}: bounded, softplus")
-    if args.before:
-        for r in before_rows(Path(args.before), args.shapes, args.rounds):
-            on_row(r)
+        if args.before:
+            for r in before_rows(Path(args.before), args.shapes, rnd):
+                on_row(r)
     say(f"wrote {out}: {len(rows)} rows")
     return 0
 

@@ -193,18 +193,19 @@ def test_rule_picks_the_split_width_by_the_sm_count(sid):
 @gpu
 @pytest.mark.parametrize("sid", [s for s in FUSED_STAGES if hasattr(load_stage(s), "SPLIT_NCW_V128")])
 def test_rule_split_width_at_v128(sid):
-    """A stage that pins the split path's width at V = 128 (SPLIT_NCW_V128, stage 12:
-    where the serial chain binds) launches K2 with that many compute warps per block
-    at 2 heads and at the most heads below fused4's range (both on the split path), where
-    the SM count alone gives one."""
+    """A stage that widens the split path at V = 128 (SPLIT_NCW_V128, stage 12: where the
+    serial chain binds) launches K2 with that many compute warps per block from the heads
+    whose one-warp blocks would cover half the SMs (H * 8 >= SMs / 2) to the most heads below
+    fused4's range, where the SM count alone gives one; with fewer heads, one."""
     S = load_stage(sid)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for H in (2, -(-sms // 3) - 1):
+    first = -(-sms // 16)  # the fewest heads with 2 * H * 128 / 16 >= SMs
+    for H, ncw in ((2, 1), (first - 1, 1), (first, S.SPLIT_NCW_V128), (-(-sms // 3) - 1, S.SPLIT_NCW_V128)):
         inp = checks.case_inputs(checks.Case(1, 40, H, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0),
                                  "cuda", torch.bfloat16)
         S.forward(**inp)
         k2 = [x for x in S.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
-        assert len(k2) == 1 and k2[0]["grid"] == H * 128 // (16 * S.SPLIT_NCW_V128), (H, S.build().launches())
+        assert len(k2) == 1 and k2[0]["grid"] == H * 128 // (16 * ncw), (H, ncw, S.build().launches())
 
 
 @gpu

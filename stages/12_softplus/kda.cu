@@ -187,7 +187,10 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
   // sequences; results/h200/stage12/softplus_paths_call2.json): two compute warps there
   // too, though their blocks do not cover the SMs (10.02 against 12.01 ms at
   // B1 T131072 H32, 0.750 against 0.776 ms at B1 T8192 H32, 0.215 against
-  // 0.223 ms at B1 T4096 H16): so at V = 128 the split path always takes two.
+  // 0.223 ms at B1 T4096 H16), as long as one-warp blocks would cover half the SMs:
+  // with fewer heads the wider blocks leave most SMs idle (results/h200/stage12/
+  // summit_c8a9662.json: 2.31 against 2.22 ms at B1 T65536 H4, 0.270 against
+  // 0.250 ms at B1 T8192 H1). So at V = 128 two where 2 * B*H*V/16 >= SMs.
   if (want_fused < 0 && p.V == 128 && 3 * bhs >= 2LL * sms) {
     *plan = KdaPlan{true, 8};
     return cudaSuccess;
@@ -196,7 +199,8 @@ cudaError_t kda_fwd_plan(const KdaFwdParams& p, int want_fused, int want_ncw, Kd
     *plan = KdaPlan{true, 4};
     return cudaSuccess;
   }
-  *plan = KdaPlan{false, (p.V == 128 || bhs * (p.V / (2 * kda_stage::VW)) >= sms) ? 2 : 1};
+  const bool two = p.V == 128 ? 2 * bhs * (p.V / kda_stage::VW) >= sms : bhs * (p.V / (2 * kda_stage::VW)) >= sms;
+  *plan = KdaPlan{false, two ? 2 : 1};
   return cudaSuccess;
 }
 

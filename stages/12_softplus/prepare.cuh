@@ -532,9 +532,9 @@ __device__ __forceinline__ void products_pairwise(K1Smem<K, V>& sm, const KdaFwd
     float acc[32];  // [which][ii][jj]: which 0 = L, 1 = Aqk
 #pragma unroll
     for (int x = 0; x < 32; ++x) acc[x] = 0.f;
-#pragma unroll 1
-    for (int dd = 0; dd < K / 32; ++dd) {  // row by row: few values live beside the 32 sums (not unrolled: the
-                                           // fused kernel's 128 registers hold no more, and wide chunks are rare)
+#pragma unroll(kFast ? 1 : K / 32)
+    for (int dd = 0; dd < K / 32; ++dd) {  // row by row: few values live beside the 32 sums (the fused
+                                           // kernel's loop not unrolled: its 128 registers hold no more)
       const int d = 32 * dd + lane;
       float gj[4], kj[4];
 #pragma unroll

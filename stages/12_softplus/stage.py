@@ -158,8 +158,9 @@ SEGMENT_CHUNKS = 64
 # compares): thread 0 of each team adds its timeline to the block's prepare regions of a profile.
 PREP_TEAMS = 2
 
-# The rule's split width at V = 128 (kda_fwd_plan): two compute warps per K2 block at any
-# number of heads (re-measured here where the serial chain binds; a GPU test counts K2's grid).
+# The rule's split width at V = 128 (kda_fwd_plan): two compute warps per K2 block once one-warp
+# blocks (B*H*V/16) would cover half the SMs, fewer heads one (re-measured here where the serial
+# chain binds; a GPU test counts K2's grid).
 SPLIT_NCW_V128 = 2
 
 # K2's ring at K = 64 where each K2 block has an SM to itself (blocks <= SMs): this many
