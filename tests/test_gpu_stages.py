@@ -9,7 +9,7 @@ import torch
 
 from common import checks
 from common.metrics import rel_err
-from common.stages import load_stage, selected_ids
+from common.stages import load_stage, previous, selected_ids
 
 # KDALAB_STAGES=05,06 limits the run to some stages (a student re-checking one stage).
 GPU_STAGES = [s for s in selected_ids() if load_stage(s).SPEC.devices == ("cuda",)]
@@ -99,6 +99,24 @@ def test_u_in_two_halves_is_closer_to_fp64(sid, case):
     assert max(max(e) for e in errs.values()) <= tolerance("bf16"), errs
     assert not torch.equal(got["S"], once["S"])
     assert all(halves < one for halves, one in errs.values()), errs
+
+
+# The first stage to take the softplus gate on the tensor cores (its predecessor takes the bounded gate only).
+FIRST_SOFTPLUS_TC = [s for s in SOFTPLUS_TC if previous(s) in TC and previous(s) not in SOFTPLUS_TC]
+
+
+@pytest.mark.parametrize("sid", FIRST_SOFTPLUS_TC)
+@pytest.mark.parametrize("case", checks.tc_cases(), ids=lambda c: c.id)
+def test_bounded_gate_is_stage_11_bitwise(sid, case):
+    """On the bounded gate the softplus stage runs its predecessor's instantiation (factored products,
+    u rounded once): o and the final state bit for bit the previous stage's, on every bounded check
+    case (B > 1 with h0, tails, K != V). When a GPU record shows it, the stage declares
+    SAME_BITS_AS_PREVIOUS and every check holds it."""
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+    got = checks.run(load_stage(sid).forward, inp, "cuda", backward=False)
+    want = checks.run(load_stage(previous(sid)).forward, inp, "cuda", backward=False)
+    diff = {n: rel_err(got[n], want[n]) for n in ("o", "S")}
+    assert torch.equal(got["o"], want["o"]) and torch.equal(got["S"], want["S"]), diff
 
 
 @pytest.mark.parametrize("sid", [s for s in SOFTPLUS_TC if hasattr(load_stage(s), "pairwise")])

@@ -35,9 +35,12 @@ SOURCES = ["kda.cu", "binding.cpp"]
 # results/h200/checks.json).
 TOLERANCE = dict(o=5e-3, S=5e-3)
 
-# Checked, not assumed: a check fails on any difference from the previous stage (common.checks.judge);
-# a bounded gate runs stage 11's instantiation of the kernels: stage 11's bits.
-SAME_BITS_AS_PREVIOUS = True
+# A bounded gate runs stage 11's instantiation of the kernels (factored products, u rounded once), so it
+# should give stage 11's bits; not declared until a GPU record of this code shows it (the record in
+# results/h200/checks.json predates that default: 4.2e-3 from stage 11). tests/test_gpu_stages.py
+# test_bounded_gate_is_stage_11_bitwise checks it on the GPU; once recorded, declare
+# SAME_BITS_AS_PREVIOUS = True and every check fails on any difference (common.checks.judge).
+SAME_BITS_AS_PREVIOUS = False
 
 SPEC = StageSpec(
     name="12_softplus",
