@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from . import extrun
+from . import extrun, results
 from .checks import stage_device
 from .contract import prepare
 from .fla_ref import (FLASHKDA_NAME, fla_available, fla_forward, flashkda_available, flashkda_call,
                       flashkda_unsupported)
 from .inputs import make_cotangents, make_inputs, parse_shape, shape_label  # noqa: F401 (bench.shape_label)
-from .stages import load_stage, stage as ladder_stage
+from .stages import declared_records, load_stage, stage as ladder_stage
 from .timing import time_call
 
 # The sweeps of the issues, in one place.
@@ -44,6 +44,36 @@ REGIMES = {
     "tc-gpu": dict(title="bf16 tensor cores on the GPU (bounded gate, chunk 16)", shape=TC_GPU_SHAPES[0],
                    results=("h200", "tc_stages"), refs=("FLA chunk_kda", "FlashKDA")),
 }
+
+
+def declared_latency_rows() -> list[dict]:
+    """The tensor-core stages' times from the records they declare (``RECORDS["latency"]`` in stage.py:
+    a record under results/h200/ and its rows of the stage, ``part``), as rows of :func:`bench_stage`:
+    one per shape (the record's last round), each naming its record, commit and date."""
+    out = []
+    for sid, decl in declared_records("latency").items():
+        data = results.recorded(decl["file"])
+        if not data:
+            continue
+        name, meta, at = load_stage(sid).SPEC.name, data["meta"], {}
+        for r in data["rows"]:
+            if r.get("stage") == name and r.get("part", decl.get("part")) == decl.get("part"):
+                at[shape_label(r)] = r  # the last round at each shape
+        for r in at.values():
+            out.append(dict({k: r[k] for k in ("B", "T", "H", "K", "V")}, stage=name, fwd_ms=r.get("ms"),
+                            fwd_graph_ms=r.get("graph_ms"), peak_mb=r.get("peak_mb"), gate=r.get("gate"),
+                            record=f"results/h200/{decl['file']}.json", commit=meta.get("commit"),
+                            run=meta.get("date")))
+    return out
+
+
+def recorded_tc_rows() -> tuple[dict | None, list[dict]]:
+    """(meta, rows) of the tensor-core stages at the H200 shapes: results/h200/tc_stages.json, and for a
+    stage with no row there, the rows of the record it declares (:func:`declared_latency_rows`)."""
+    data = results.recorded(REGIMES["tc-gpu"]["results"][1], REGIMES["tc-gpu"]["results"][0])
+    meta, rows = (data["meta"], list(data["rows"])) if data else (None, [])
+    have, shapes = {r.get("stage") for r in rows}, {shape_label(s) for s in TC_GPU_SHAPES}
+    return meta, rows + [r for r in declared_latency_rows() if r["stage"] not in have and shape_label(r) in shapes]
 
 
 def regime(spec) -> str:

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from . import bench, checks, results
-from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, PATHS_RECORDED, anchor_rows
+from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, anchor_rows
 from .bench import PROFILE_SHAPE, progress_bar
 from .build import resource_usage
 from .fla_ref import fla_available, flashkda_available, flashkda_unsupported
@@ -31,7 +31,8 @@ from .paths import STAGES_DIR
 from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeline, plot_latency, plot_paths,
                        plot_profile, split_bars)
 from .report import README_FIGURES
-from .stages import STAGE_DIRS, load_stage, normalize, previous
+from .stages import (STAGE_DIRS, declared_records, fused_stage, load_stage, normalize, previous,
+                     tensor_core_stages, varlen_record)
 
 FIGURES: set = set()  # names of the functions below that draw a figure
 
@@ -485,7 +486,7 @@ def tc_latency(stage_ids=("05",)):
     and FlashKDA as measured on one H200 lease, and, at the shapes where
     FlashKDA (or FLA) was not measured there, the newest file in
     results/anchors/, labelled "(anchor ...)"."""
-    meta, rec = _recorded("tc_stages")
+    meta, rec = bench.recorded_tc_rows()
     ids = list(stage_ids) + ["fla", "flashkda"]
 
     def shapes_for(sid, dev):
@@ -539,7 +540,7 @@ def ladder(shape=dict(B=1, T=1024, H=64, K=128, V=128)):
     latency per stage (GPU time where recorded) plus the references."""
     rows = []
     for name in ("fp32_stages", "tc_stages"):
-        meta, rec = _recorded(name)
+        meta, rec = _recorded(name) if name != "tc_stages" else bench.recorded_tc_rows()
         for r in rec:
             if all(r.get(k) == v for k, v in shape.items()):
                 label = r["stage"]
@@ -698,7 +699,8 @@ def _paths(stage_id, budget_s: float = LIVE_BUDGET_S):
     sid = normalize(stage_id)
     if sid in _PATHS:
         return _PATHS[sid]
-    meta, rec = _recorded(PATHS_RECORDED[sid]["table"]) if sid in PATHS_RECORDED else (None, [])
+    info = paths_recorded().get(sid)
+    meta, rec = _recorded(info["table"]) if info else (None, [])
     spec = load_stage(sid).SPEC
     ok, why = spec.runnable_here()
     shapes = list({bench.shape_label(r): _shape_of(r) for r in rec}.values()) or list(bench.TC_GPU_SHAPES)
@@ -837,13 +839,11 @@ FUSED_BARRIER, FUSED_DECAY = "fused prepare: team barrier", "fused prepare: deca
 # The fused kernel's prepare teams are a fact of its stage (stage.py PREP_TEAMS, the
 # kernel's kPrepTeams): thread 0 of each team adds its timeline to the block's prepare
 # regions, so these hold the sum of the teams' timelines, each spanning the block's
-# lifetime. (The recorded files are of kernels with that many teams: results.PATHS_RECORDED.)
-FUSED_STAGE = "09"  # the first stage with the fused kernel
-
-
-def prep_teams(stage_id=FUSED_STAGE) -> int:
-    """The prepare teams of a stage's fused kernel (its stage.py PREP_TEAMS)."""
-    return load_stage(stage_id).PREP_TEAMS
+# lifetime. (The recorded files are of kernels with that many teams: each stage's RECORDS["paths"].)
+def prep_teams(stage_id=None) -> int:
+    """The prepare teams of a stage's fused kernel (its stage.py PREP_TEAMS; None: the first
+    stage with a fused path)."""
+    return load_stage(stage_id or fused_stage()).PREP_TEAMS
 
 
 def chunk_profile(prof: dict, T: int, chunk: int = 16, teams: int | None = None) -> dict:
@@ -891,7 +891,7 @@ def _fused_row(stage_id):
     ``stage.path`` (the profile build), else the recorded row. The kernels the
     call launched must be the fused kernel alone (ValueError otherwise)."""
     sid = normalize(stage_id)
-    info = PATHS_RECORDED[sid]
+    info = paths_recorded()[sid]
     stage = load_stage(sid)
     if "profile" not in info:
         print(f"no fused-kernel profile of {stage.SPEC.name} is recorded or taken here (its kernels are stage "
@@ -1059,13 +1059,13 @@ def _varlen_live(stage_id):
 
 def _varlen(stage_id="11"):
     """The packed-sequence rows of a varlen stage: live at VARLEN_LIVE_MIX on a GPU
-    (:func:`_varlen_live`), recorded for the rest (results.VARLEN_RECORDED).
+    (:func:`_varlen_live`), recorded for the rest (the stage's RECORDS["varlen"]).
     Returns (rows, each with where = "live" or "recorded"; notes; the recorded
     file's meta). Measured once per notebook session."""
     sid = normalize(stage_id)
     if sid in _VARLEN:
         return _VARLEN[sid]
-    data = results.varlen_record(sid) or {}
+    data = varlen_record(sid) or {}
     spec = load_stage(sid).SPEC
     meta = data.get("meta")
     # this stage's rows (a record may hold the next stage's too), FlashKDA's and the per-sequence loop's
@@ -1163,7 +1163,11 @@ def varlen_plot(stage_id="11"):
                      title=f"Packed sequences at K = V = 128, GPU time ({src})")
 
 
-TC_LADDER = ["05", "06", "07", "08", "09", "10"]  # the tensor-core stages, in the README's figure and the summary notebook
+def paths_recorded() -> dict:
+    """{stage id: its recorded paths} as the stages declare them (RECORDS["paths"] in stage.py)."""
+    return declared_records("paths")
+
+
 
 
 def write_figures(root) -> list:
@@ -1172,7 +1176,7 @@ def write_figures(root) -> list:
     FlashKDA at the H200 shapes."""
     import matplotlib.pyplot as plt
 
-    draw = {"ladder": ladder, "tensor-core shapes": lambda: tc_latency(TC_LADDER)}
+    draw = {"ladder": ladder, "tensor-core shapes": lambda: tc_latency(tensor_core_stages())}
     out = []
     for key, fn in draw.items():
         ax, _ = fn()

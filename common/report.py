@@ -25,7 +25,7 @@ from .bench import PROFILE_SHAPE, REGIMES, regime  # noqa: F401 (report.REGIMES,
 from .metrics import worst
 from .paths import RESULTS_DIR
 from .plotting import plot_bars, plot_latency, plot_profile, split_bars
-from .stages import STAGE_DIRS, load_stage, previous
+from .stages import STAGE_DIRS, declared_records, load_stage, previous
 
 TOUR_BUDGET_S = 60.0  # seconds of live timing per GPU stage; recorded figures for the shapes beyond it
 
@@ -85,9 +85,13 @@ def _recorded_latency(name: str, reg: str):
     """(row, meta) of a recorded latency at the regime's shape, or (None, None)."""
     sub, name_ = REGIMES[reg]["results"]
     data = results.recorded(name_, sub)
-    if not data:
-        return None, None
-    return _at([r for r in data["rows"] if r.get("stage") == name], REGIMES[reg]["shape"]), data["meta"]
+    meta, rows = (data["meta"], data["rows"]) if data else (None, [])
+    if reg == "tc-gpu":  # with the stages' declared records (a stage with no row in tc_stages.json)
+        meta, rows = bench.recorded_tc_rows()
+    row = _at([r for r in rows if r.get("stage") == name], REGIMES[reg]["shape"])
+    if row is not None and row.get("record"):  # its own record's provenance
+        meta = dict(meta or {}, device="NVIDIA H200", date=row.get("run") or "", commit=row.get("commit"))
+    return (row, meta) if meta is not None else (None, None)
 
 
 def _flashkda_errors():
@@ -433,12 +437,14 @@ def tc_markdown() -> str:
     """The tensor-core stages, FLA and FlashKDA at the H200 shapes (forward, GPU
     time in ms), from results/h200/tc_stages.json; FlashKDA measured there
     where recorded, else from the newest anchor (see :func:`flashkda_column`)."""
-    data = results.recorded("tc_stages")
-    if not data:
+    meta, all_rows = bench.recorded_tc_rows()
+    if meta is None:
         return ""
-    names = [n for n in dict.fromkeys(r["stage"] for r in data["rows"]) if n != results.FLASHKDA]
-    rows = [dict(r) for r in data["rows"]]
-    shapes = list(dict.fromkeys(bench.shape_label(r) for r in data["rows"] if r.get("stage") != results.FLASHKDA))
+    names = [n for n in dict.fromkeys(r["stage"] for r in all_rows) if n != results.FLASHKDA]
+    order = {n: i for i, n in enumerate(STAGE_DIRS.values())}  # the stages in ladder order, the references last
+    names.sort(key=lambda n: order.get(n, len(order)))
+    rows = [dict(r) for r in all_rows]
+    shapes = list(dict.fromkeys(bench.shape_label(r) for r in all_rows if r.get("stage") != results.FLASHKDA))
     fk_head, fk = flashkda_column(shapes)
     heads = [n.replace("FLA chunk_kda", "FLA") for n in names] + [fk_head]
     out = "| shape | " + " | ".join(heads) + " |\n|" + "---|" * (len(names) + 2) + "\n"
@@ -464,8 +470,15 @@ def results_markdown() -> str:
         anchor = f"`results/anchors/{path.name if path else '-'}`"
         fk = (f"FlashKDA measured beside them there, the anchor {anchor} where it was not" if measured
               else f"FlashKDA from the anchor {anchor}")
+        _, rows = bench.recorded_tc_rows()
+        own = {}  # the stages whose rows come from a record of their own (RECORDS["latency"] in stage.py)
+        for r in rows:
+            if r.get("record"):
+                own.setdefault(r["record"], []).append(r["stage"][:2])
+        decl = "".join(f"; stages {', '.join(dict.fromkeys(ids))} from `{rec}` (commit {next(r['commit'] for r in rows if r.get('record') == rec)})"
+                       for rec, ids in own.items())
         lines += [f"**The tensor-core stages against FLA and FlashKDA** (forward, GPU time by CUDA-graph replay, "
-                  f"ms; stages and FLA from `results/h200/tc_stages.json`, {fk}):\n", tc]
+                  f"ms; stages and FLA from `results/h200/tc_stages.json`{decl}, {fk}):\n", tc]
     abl = ablations_overview_markdown()
     if abl:
         lines += ["**What each idea bought** (the multi-idea stages with one idea turned off at a time by its "
@@ -543,12 +556,12 @@ def stage_measured_markdown(stage_name: str) -> str:
 
 
 def paths_markdown(stage_name: str) -> list[str]:
-    """A stage with several paths (results.PATHS_RECORDED): every path per
+    """A stage with several paths (its stage.py's RECORDS["paths"]): every path per
     shape beside the previous stage and FlashKDA, measured in one call
     (scripts/bench_paths.py): GPU time, and the peak memory of the split
     path, the fused path and FlashKDA."""
     sid = stage_name[:2]
-    info = results.PATHS_RECORDED.get(sid)
+    info = declared_records("paths").get(sid)
     data = results.recorded(info["table"]) if info else None
     if not data:
         return []

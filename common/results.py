@@ -79,34 +79,6 @@ def newest_anchor():
     return (load(files[-1]), files[-1]) if files else (None, None)
 
 
-# The recorded measurements of a stage's paths (scripts/bench_paths.py), by
-# stage id, as names for :func:`recorded`: "table", the file of the stage as
-# it is (its rule's commit); "profile" (optional: a stage whose kernels are
-# the stage before's, such as 11, has none of its own), the file with clock64
-# regions per path (the same kernels: only the rule differed), with the path
-# and shape whose timeline the stage's notebook shows
-# (common.notebook.fused_profile).
-PATHS_RECORDED = {
-    "08": dict(table="stage08/paths_04c36d6", profile="stage08/paths_04c36d6",
-               profile_path="split1", profile_shape=dict(B=1, T=32768, H=16, K=128, V=128)),
-    "09": dict(table="stage09/paths_04c36d6", profile="stage09/profile_2bcc81f",
-               profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
-    "10": dict(table="stage10/paths_04c36d6", profile="stage10/profile_2bcc81f",
-               profile_path="fused8", profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)),
-    "11": dict(table="stage11/paths_e242ae3"),  # stage 10's kernels over sequences: no fused profile of its own
-}
-
-# The recorded packed-sequence measurements of a varlen stage (scripts/bench_varlen.py), by stage id, as
-# names for :func:`recorded`: per mix of sequence lengths, the stage (both state layouts), FlashKDA's
-# varlen call and, at the first mix, the stage before called once per sequence.
-VARLEN_RECORDED = {"11": "stage11/varlen_hybrid_dacff50"}
-
-
-def varlen_record(stage_id: str = "11") -> dict | None:
-    """The recorded packed-sequence file of a varlen stage ({"meta", "rows"}), or None."""
-    name = VARLEN_RECORDED.get(str(stage_id))
-    return recorded(name) if name else None
-
 FLA_TC = "FLA chunk_kda (bf16, safe gate)"  # FLA as benchmarked in the tensor-core regime
 FLASHKDA = FLASHKDA_NAME  # the stage name of FlashKDA's rows in a benchmark (bench_stage("flashkda"))
 FLASHKDA_MEASURED = "FlashKDA (measured)"  # measured live beside the stages (results/h200/tc_stages.json)

@@ -16,22 +16,25 @@ import time
 
 from .build import import_module_from
 from .paths import REPO_ROOT, STAGES_DIR
+from .results import recorded
 
-STAGE_DIRS = {
-    "00": "00_naive",
-    "01": "01_cpp",
-    "02": "02_cuda_baseline",
-    "03": "03_chunk_parallel",
-    "04": "04_warp",
-    "05": "05_cute_bf16",
-    "06": "06_ws_pipeline",
-    "07": "07_movm_register",
-    "08": "08_segments",
-    "09": "09_fused",
-    "10": "10_smem_diet",
-    "11": "11_varlen",
-    "12": "12_softplus",
-}
+_STAGE_DIR = re.compile(r"^(\d\d)_[a-z0-9_]+$")
+
+
+def _discover() -> dict:
+    """{id: directory name} of every stages/NN_name directory, in ladder order: a stage
+    joins the ladder (the tour, the summary, the figures, RESULTS.md) by its directory alone."""
+    found = {}
+    for p in sorted(STAGES_DIR.iterdir()) if STAGES_DIR.is_dir() else ():
+        m = _STAGE_DIR.match(p.name)
+        if p.is_dir() and m:
+            if m.group(1) in found:
+                raise RuntimeError(f"two stage directories share id {m.group(1)}: {found[m.group(1)]}, {p.name}")
+            found[m.group(1)] = p.name
+    return found
+
+
+STAGE_DIRS = _discover()
 
 _CACHE: dict = {}
 
@@ -112,6 +115,11 @@ class Stage:
         return tuple(getattr(self.module, "ABLATIONS", ()) or ())
 
     @property
+    def records(self) -> dict:
+        """The recorded files the stage declares (``RECORDS`` in stage.py; see :func:`declared_records`)."""
+        return dict(getattr(self.module, "RECORDS", {}) or {})
+
+    @property
     def previous(self) -> "Stage | None":
         pid = previous(self.id)
         return stage(pid) if pid is not None else None
@@ -151,6 +159,47 @@ def path_stages() -> list[str]:
     """The stages with several paths (a ``PATHS`` table and ``path()`` in
     stage.py: 08, 09), in ladder order."""
     return [sid for sid in stage_ids() if getattr(load_stage(sid), "PATHS", None)]
+
+
+# ---------------------------------------------------------------------------
+# what the stages declare: the harness reads these, no shared table lists stage ids
+# ---------------------------------------------------------------------------
+
+def last_stage() -> str:
+    """The id of the ladder's last stage: the summit, whose kernels ``kdalab.chunk_kda`` runs."""
+    return stage_ids()[-1]
+
+
+def tensor_core_stages() -> list[str]:
+    """The stages on bf16 tensor cores (their spec's compute dtype), in ladder order: the README's
+    tensor-core figure, the summary notebook's and RESULTS.md's table."""
+    import torch
+
+    return [sid for sid in stage_ids() if load_stage(sid).SPEC.compute_dtype == torch.bfloat16]
+
+
+def fused_stage() -> str | None:
+    """The first stage with a fused path (a ``PATHS`` name that starts with "fused"), or None."""
+    return next((sid for sid in path_stages() if any(n.startswith("fused") for n in load_stage(sid).PATHS)), None)
+
+
+def declared_records(key: str) -> dict:
+    """{stage id: what its stage.py declares as ``RECORDS[key]``}, in ladder order, for the stages
+    that declare it. The keys: "paths" (the recorded paths and the fused profile: scripts/bench_paths.py),
+    "varlen" (packed sequences: scripts/bench_varlen.py), "latency" (the tensor-core shapes, where
+    results/h200/tc_stages.json has no row of the stage: a record and the rows of it that are the stage's)."""
+    out = {}
+    for sid in stage_ids():
+        rec = getattr(load_stage(sid), "RECORDS", None) or {}
+        if key in rec:
+            out[sid] = rec[key]
+    return out
+
+
+def varlen_record(stage_id) -> dict | None:
+    """The recorded packed-sequence file ({"meta", "rows"}) a stage declares (``RECORDS["varlen"]``), or None."""
+    name = declared_records("varlen").get(normalize(stage_id))
+    return recorded(name) if name else None
 
 
 # What `diff -ru stages/<previous> stages/<this>` counts: the code, not the README.

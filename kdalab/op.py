@@ -45,10 +45,12 @@ import math
 
 import torch
 
+from common.stages import last_stage
+
 # The stage whose kernels run, for every gate: the last of the ladder. A bounded gate (the bounded gate, or the
 # log decay with safe_gate) runs its instantiation of stage 11's arithmetic (stage 11's bits), a gate without a
 # bound (the softplus gate, the log decay without safe_gate) the products as needed.
-STAGE = "12"  # stages/12_softplus
+STAGE = last_stage()  # the ladder's last stage (common.stages.last_stage): stages/12_softplus today
 CHUNK = 16  # the kernel's chunk size (FLA's own is 64: a Triton tiling, not a property of the op)
 _DEVICE_TYPES = ("cuda",)  # where the kernel runs (the CPU tests widen it to reach a fake extension)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)

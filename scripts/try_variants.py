@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 from common import bench  # noqa: E402
 from common.build import load_extension  # noqa: E402
 from common.results import metadata  # noqa: E402
-from common.stages import load_stage  # noqa: E402
+from common.stages import last_stage, load_stage  # noqa: E402
 
-STAGE = "12"  # the last stage: its variants are the candidates for the next change
+STAGE = last_stage()  # the last stage: its variants are the candidates for the next change
 WORK = ROOT / "build" / "variants"  # copies of the stage's sources for file variants
 
 

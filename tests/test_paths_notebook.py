@@ -37,9 +37,9 @@ EXPECT = {
 # were added): they need one, and their figures here, before they leave this set (the test below holds that).
 PENDING: set = {"12"}  # 12_softplus: no paths record yet
 FUSED = [sid for sid in EXPECT if "prepare" in EXPECT[sid]]  # the stages with a recorded fused-kernel profile
-REC = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["table"]) for sid in EXPECT}
-PROF = {sid: notebook._recorded(notebook.PATHS_RECORDED[sid]["profile"]) for sid in EXPECT
-        if "profile" in notebook.PATHS_RECORDED[sid]}
+REC = {sid: notebook._recorded(notebook.paths_recorded()[sid]["table"]) for sid in EXPECT}
+PROF = {sid: notebook._recorded(notebook.paths_recorded()[sid]["profile"]) for sid in EXPECT
+        if "profile" in notebook.paths_recorded()[sid]}
 
 
 @pytest.fixture(params=list(EXPECT))
@@ -48,18 +48,18 @@ def sid(request):
 
 
 def test_every_stage_with_paths_has_its_record_and_figures_here():
-    """A new stage with PATHS needs its recorded file (PATHS_RECORDED) and its figures in EXPECT, or is PENDING."""
-    assert set(path_stages()) - PENDING == set(EXPECT) == set(notebook.PATHS_RECORDED)
+    """A new stage with PATHS needs its recorded file (RECORDS["paths"] in its stage.py) and its figures in EXPECT, or is PENDING."""
+    assert set(path_stages()) - PENDING == set(EXPECT) == set(notebook.paths_recorded())
 
 
 def test_pending_path_stages_are_not_yet_measured():
-    """A PENDING stage is one with paths and no record: once its record is in PATHS_RECORDED (or its paths
+    """A PENDING stage is one with paths and no record: once its stage.py declares its record (or its paths
     file in results/h200/), it must leave PENDING and get its figures in EXPECT."""
     from common.paths import REPO_ROOT
 
     assert PENDING <= set(path_stages()), "a PENDING stage without paths: drop it from PENDING"
     for sid in PENDING:
-        assert sid not in notebook.PATHS_RECORDED and sid not in EXPECT, sid
+        assert sid not in notebook.paths_recorded() and sid not in EXPECT, sid
         assert not list((REPO_ROOT / "results" / "h200" / f"stage{sid}").glob("paths_*.json")), \
             f"stage {sid} has a recorded paths file: move it out of PENDING"
 
@@ -73,7 +73,7 @@ def _row(rows, stage, path, shape=B8):
 def recorded(monkeypatch, sid):
     """The notebook reads a copy of the stage's recorded paths file, which a test may spoil."""
     meta, rows = copy.deepcopy(REC[sid])
-    names = notebook.PATHS_RECORDED[sid]
+    names = notebook.paths_recorded()[sid]
     prof = copy.deepcopy(PROF[sid])[1] if sid in PROF else None
     if names.get("profile") == names["table"]:  # one file: the spoiled copy is both
         prof = rows
@@ -225,9 +225,9 @@ def test_fused_profile_refuses_a_profile_of_the_split_kernels(recorded, sid):
 
 
 def test_fused_profile_of_a_stage_without_its_own_says_so(capsys):
-    """Stage 11 runs stage 10's kernels: no fused-kernel profile of its own is recorded (PATHS_RECORDED has no
+    """Stage 11 runs stage 10's kernels: no fused-kernel profile of its own is recorded (its RECORDS["paths"] has no
     "profile"), and fused_profile says so instead of drawing, on any machine."""
-    own = [sid for sid in EXPECT if "profile" not in notebook.PATHS_RECORDED[sid]]
+    own = [sid for sid in EXPECT if "profile" not in notebook.paths_recorded()[sid]]
     assert own == ["11"]
     for sid in own:
         assert notebook.fused_profile(sid) is None

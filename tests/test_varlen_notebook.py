@@ -8,16 +8,16 @@ import copy
 
 import pytest
 
-from common import notebook, results
+from common import notebook, stages
 from common.contract import StageSpec
 
-REC = results.varlen_record("11")
+REC = stages.varlen_record("11")
 
 
 def test_the_record_is_registered():
-    assert results.VARLEN_RECORDED == {"11": "stage11/varlen_hybrid_dacff50"}
+    assert stages.declared_records("varlen") == {"11": "stage11/varlen_hybrid_dacff50"}  # stage 11's stage.py
     assert REC["meta"]["device"] == "NVIDIA H200" and len(REC["rows"]) == 37  # stages 11 and 12
-    assert results.varlen_record("10") is None
+    assert stages.varlen_record("10") is None
 
 
 def test_packed_is_each_sequence_alone_on_the_reference(capsys):
@@ -35,7 +35,7 @@ def test_packed_is_each_sequence_alone_on_the_reference(capsys):
 def recorded(monkeypatch):
     """The notebook reads a copy of the recorded file, which a test may change."""
     data = copy.deepcopy(REC)
-    monkeypatch.setattr(results, "varlen_record", lambda sid="11": data if sid == "11" else None)
+    monkeypatch.setattr(notebook, "varlen_record", lambda sid="11": data if sid == "11" else None)
     monkeypatch.setattr(notebook, "_VARLEN", {})
     return data
 

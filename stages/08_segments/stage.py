@@ -119,6 +119,11 @@ SEGMENT_CHUNKS = 64
 # has the split path only (K1 + K2); the width is the rule's choice unless pinned.
 PATHS = {"split1": (0, 1), "split2": (0, 2)}
 
+# The records of this stage's own measurements (common.stages.declared_records): its paths, and the
+# timeline its notebook shows (the split path at a shape long enough for several segments).
+RECORDS = dict(paths=dict(table="stage08/paths_04c36d6", profile="stage08/paths_04c36d6", profile_path="split1",
+                          profile_shape=dict(B=1, T=32768, H=16, K=128, V=128)))
+
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None))  # (path name, segment_chunks) of ``path``
 
 

@@ -130,6 +130,11 @@ PREP_TEAMS = 2
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
 
+# The records of this stage's own measurements (common.stages.declared_records): its paths, and the
+# fused kernel's timeline its notebook shows.
+RECORDS = dict(paths=dict(table="stage09/paths_04c36d6", profile="stage09/profile_2bcc81f", profile_path="fused8",
+                          profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)))
+
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None))  # (path name, segment_chunks) of ``path``
 

@@ -174,6 +174,10 @@ LONE_RING64 = 8
 PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
          "fused8": (1, 8)}
 
+# The records of this stage's own measurements (common.stages.declared_records): its time at the
+# tensor-core shapes on the bounded gate, measured beside stage 11 and FlashKDA (scripts/bench_summit.py).
+RECORDS = dict(latency=dict(file="stage12/summit_c8a9662", part="bounded"))
+
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
 _PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
