@@ -321,9 +321,85 @@ def chunk_kda(
     max_num_seqs: int | None = None,
     **kwargs,
 ):
-    """fla.ops.kda.chunk_kda (fla-core 0.6.0) on the kernel of the last stage (``STAGE``), every gate.
-    Returns (o [B, T, H, V] in v's dtype, final state fp32 or None). See the
-    module docstring for what runs; anything else raises before any kernel."""
+    r"""KDA (Kimi Delta Attention), chunked forward on bf16 tensor cores: a drop-in for fla-core 0.6.0's
+    ``fla.ops.kda.chunk_kda`` (same arguments, names and defaults) running the tutorial's last stage.
+
+    Needs a CUDA GPU (sm_80 or newer; tuned on the H200). Forward only: inputs that require grad raise
+    (run under ``torch.inference_mode()``, or train with FLA). Anything it does not run raises one error
+    naming the argument, before any kernel; ``kdalab.supported(...)`` answers without running.
+
+    Args:
+        q (torch.Tensor):
+            queries of shape ``[B, T, H, K]``, on a CUDA device; bf16 (fp16 and fp32 are converted).
+        k (torch.Tensor):
+            keys of shape ``[B, T, H, K]``.
+        v (torch.Tensor):
+            values of shape ``[B, T, H, V]``; ``K = V``, 64 or 128. No GVA: as many value heads as query heads.
+        g (torch.Tensor):
+            the gate, ``[B, T, H, K]``. With ``use_gate_in_kernel=False`` (the default) the log decay
+            itself (``<= 0``); with ``use_gate_in_kernel=True`` the raw gate input, activated in the kernel
+            as ``-exp(A_log) * softplus(g + dt_bias)`` (Kimi Linear's gate), or with ``lower_bound`` as
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+        beta (torch.Tensor):
+            betas of shape ``[B, T, H]`` (post-sigmoid, or logits with ``use_beta_sigmoid_in_kernel``).
+        scale (float, Optional):
+            scale of the attention scores. Default: ``None``, i.e. ``1 / sqrt(K)`` (``0.0`` is a scale of 0).
+        initial_state (torch.Tensor, Optional):
+            fp32 initial state ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first``) for ``N``
+            sequences (``N = B``, or ``len(cu_seqlens) - 1``). Default: ``None`` (zeros).
+        output_final_state (bool, Optional):
+            return the fp32 final state, shaped as ``initial_state``. Default: ``False``.
+        use_qk_l2norm_in_kernel (bool, Optional):
+            L2-normalise q and k per token and head in the kernel. Default: ``False``.
+        use_gate_in_kernel (bool, Optional):
+            activate ``g`` in the kernel (see ``g``); ``A_log`` ``[H]`` and ``dt_bias`` ``[H * K]`` or
+            ``[H, K]`` (``None``: 0) are passed as keyword arguments, as to FLA. Default: ``False``.
+        use_beta_sigmoid_in_kernel (bool, Optional):
+            apply ``sigmoid(beta)`` in the kernel. Default: ``False``.
+        allow_neg_eigval (bool, Optional):
+            ``2 * sigmoid(beta)`` instead of ``sigmoid(beta)``; needs ``use_beta_sigmoid_in_kernel``.
+            Default: ``False``.
+        safe_gate (bool, Optional):
+            the gate is bounded below by ``lower_bound`` (with ``use_gate_in_kernel``, ``lower_bound`` is
+            required). A bounded gate runs the factored chunk products, a gate without a bound forms them
+            pair by pair where a chunk's decay would overflow. Default: ``False``.
+        lower_bound (float, Optional):
+            the bound, in ``[-5, 0)``. Default: ``None``.
+        disable_recompute (bool, Optional):
+            accepted, no effect (it changes what FLA keeps for its backward). Default: ``False``.
+        return_intermediate_states (bool, Optional):
+            not supported (the kernel keeps no per-chunk state): ``True`` raises. Default: ``False``.
+        state_v_first (bool, Optional):
+            states as ``[N, H, V, K]``, read and written in place. Default: ``False``.
+        cu_seqlens (torch.LongTensor, Optional):
+            ``[N + 1]`` offsets of ``N`` sequences packed into one batch row (``B = 1``), int32 or int64, as
+            in FlashAttention; one launch for all of them. Default: ``None``.
+        cu_seqlens_cpu (torch.LongTensor, Optional):
+            the CPU copy of ``cu_seqlens``: its lengths are then read without a device sync (and while a
+            CUDA graph is captured). Default: ``None``.
+        cp_context, use_graph:
+            not supported (context parallelism, FLA's padded chunk lists): anything but ``None`` / ``False``
+            raises. A CUDA graph captures ``chunk_kda`` as it is.
+        max_num_seqs (int, Optional):
+            ignored, as FLA ignores it without ``use_graph``.
+
+    Returns:
+        o (torch.Tensor): ``[B, T, H, V]`` in ``v``'s dtype.
+        final_state (torch.Tensor or None): fp32, shaped as ``initial_state``, if ``output_final_state``.
+
+    Examples::
+
+        >>> import torch, kdalab
+        >>> B, T, H, K = 1, 4096, 32, 128
+        >>> q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        >>> g = torch.randn(B, T, H, K, dtype=torch.bfloat16, device="cuda")
+        >>> beta = torch.randn(B, T, H, dtype=torch.bfloat16, device="cuda")
+        >>> A_log = torch.zeros(H, device="cuda"); dt_bias = torch.zeros(H * K, device="cuda")
+        >>> with torch.inference_mode():
+        ...     o, ht = kdalab.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+        ...                              use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+        ...                              use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    """
     p = _plan(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
               disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,

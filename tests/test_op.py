@@ -7,6 +7,7 @@ implementation. The kernel itself is checked on the GPU (tests/test_op_gpu.py)."
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -657,3 +658,17 @@ def test_a_wrong_max_seqlen_or_seq_lens_is_caught(ext):
             m.setattr(op, "_plan", lambda *a, _w=wrong, **k: dict(plan(*a, **k), **_w))
             o, ht = kdalab.chunk_kda(**kw)
         assert not torch.isfinite(o).all(), wrong
+
+
+def test_the_help_documents_every_argument_and_says_what_it_needs():
+    """help(kdalab.chunk_kda) reads like FLA's docstring: every argument of the signature under Args,
+    Returns, an example, and that it needs a CUDA GPU and runs forward only."""
+    import inspect
+
+    doc = inspect.getdoc(kdalab.chunk_kda)
+    args = doc[doc.index("Args:"):doc.index("Returns:")]
+    for name in inspect.signature(kdalab.chunk_kda).parameters:
+        if name != "kwargs":
+            assert re.search(rf"^\s+{name}\b", args, re.M) or f"{name}," in args or f", {name}" in args, name
+    assert "CUDA GPU" in doc and "Forward only" in doc and "Examples::" in doc
+    assert "STAGE" not in doc  # no placeholder names
