@@ -15,3 +15,22 @@ for name in [m for m in sys.modules if m == "common" or m.startswith("common.")]
                           f"conftest ran ({ROOT}): run pytest from this checkout without `-p common...`")
 
 pytest_plugins = ("common.nbcheck",)
+
+
+def pytest_configure(config):
+    """A CUDA stage's first build takes minutes: its progress lines reach the terminal past pytest's output
+    capture (``kdalab ...: still compiling (N s)``), so a cold run never looks like a hang."""
+    from common import build
+
+    plain = build.set_progress(None)
+
+    def say(line):
+        tr = config.pluginmanager.get_plugin("terminalreporter")  # registered after this hook runs
+        capman = config.pluginmanager.get_plugin("capturemanager")
+        if tr is None or capman is None:
+            return plain(line)
+        with capman.global_and_fixture_disabled():
+            tr.ensure_newline()
+            tr.write_line(line)
+
+    build.set_progress(say)

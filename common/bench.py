@@ -281,6 +281,12 @@ def bench_stage(stage_id, shape: dict, *, gate=None, chunk=None, backward=None, 
     return row
 
 
+def unsteady(row: dict) -> list[str]:
+    """What a row's timings say about their repeats disagreeing (common.timing.UNSTEADY_SPREAD), as sentences."""
+    return [f"{row.get('stage')} at {shape_label(row)}, {k.split('_')[0]} {'graph replay' if 'graph' in k else 'time'}: "
+            f"{row[k]}" for k in sorted(row) if k.endswith("unsteady") and row[k]]
+
+
 def sweep(stage_ids, shapes, *, progress=None, on_row=None, bar: bool = False, **kw) -> list[dict]:
     """bench_stage over stages x shapes; ``on_row(rows)`` after each row (to save
     as it goes); ``bar`` shows a tqdm progress bar."""
@@ -296,6 +302,8 @@ def sweep(stage_ids, shapes, *, progress=None, on_row=None, bar: bool = False, *
                 rows.append(bench_stage(sid, shape, say=progress, **kw))
             except RuntimeError as e:  # out of memory or an unavailable reference: record why
                 rows.append(dict(stage=str(sid), **shape, error=str(e).splitlines()[0][:300]))
+            for msg in unsteady(rows[-1]):  # said where it happens, whoever called
+                print(f"WARNING: {msg}", file=sys.stderr if progress is None else sys.stdout, flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if on_row is not None:

@@ -173,6 +173,21 @@ def pending_work(build_dir) -> list[str] | None:
     return [Path(f).name for f in re.findall(r" -c (\S+) -o \S+\.o\b", out.stdout)] or ["the link step"]
 
 
+_SAY = [lambda msg: print(msg, flush=True)]  # where build progress goes (pytest shows it past its capture)
+
+
+def set_progress(say):
+    """Send the build's progress lines ("first build ...", "still compiling (N s)") to ``say(line)``
+    instead of print; returns the previous sink. tests' conftest points it at pytest's terminal,
+    so that a 20-minute cold compile under ``pytest`` shows where it is."""
+    old, _SAY[0] = _SAY[0], say
+    return old
+
+
+def _say(msg: str) -> None:
+    _SAY[0](f"[kdalab] {msg}")
+
+
 class _Ticker:
     """Prints the elapsed time every ``every`` seconds while a build runs, so a
     long compile never looks like a hang."""
@@ -184,7 +199,7 @@ class _Ticker:
 
     def _run(self):
         while not self._stop.wait(self.every):
-            print(f"[kdalab] {self.name}: still compiling ({time.time() - self.t0:.0f} s)", flush=True)
+            _say(f"{self.name}: still compiling ({time.time() - self.t0:.0f} s)")
 
     def __enter__(self):
         self._thread.start()
@@ -261,7 +276,7 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
                         f"(about {'3-5 minutes' if cutlass else '1 minute'} on 2 cores)")
             else:
                 what = "compiling what changed: " + ", ".join(todo)
-            print(f"[kdalab] {name}: {what}", flush=True)
+            _say(f"{name}: {what}")
         try:
             with (contextlib.nullcontext() if quiet else _Ticker(name)):
                 mod = cpp_extension.load(
@@ -282,7 +297,7 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
             if arch_restore is not None:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = arch_restore
     if not quiet and (todo != [] or time.time() - t0 > 5):
-        print(f"[kdalab] {name}: built and loaded ({time.time() - t0:.0f} s)", flush=True)
+        _say(f"{name}: built and loaded ({time.time() - t0:.0f} s)")
     _LOADED[name] = mod
     return mod
 

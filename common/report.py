@@ -289,7 +289,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         profiles[spec.name] = stage.profile(**kw, backward=spec.backward)
         units[spec.name] = spec.region_unit
         at = _at(lrows, REGIMES[reg]["shape"])
-        where = f"measured here ({dev.type})"
+        where = f"measured here ({dev.type})" + (", UNSTEADY: see below" if at and bench.unsteady(at) else "")
         if at is None:
             at, m = _recorded_latency(spec.name, reg)
             where += "; times recorded" if at is not None else ""
@@ -346,6 +346,10 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
         figs.append(name)
     if lat_rows:
         md.append("## Latency\n\n" + "".join(f"![latency]({f})\n\n" for f in figs) + latency_table(lat_rows))
+        shaky = [m for r in lat_rows if r["where"] == "live" for m in bench.unsteady(r)]
+        if shaky:
+            md.append("**Unsteady timings** (their repeats disagree: rerun on an idle machine before quoting "
+                      "them):\n\n" + "".join(f"- {m}\n" for m in shaky))
     for unit in sorted(set(units.values())):
         bars = {}
         for k, v in profiles.items():

@@ -8,10 +8,29 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
+
+# Repeats of one timing whose slowest is more than this many times the fastest disagree: the machine was
+# busy (other processes, a compile beside it), and the median is not the kernel's time.
+UNSTEADY_SPREAD = 2.0
+
+
+def _summary(times: list, prefix: str = "") -> dict:
+    """Median, fastest and slowest of the repeats, and where they disagree (UNSTEADY_SPREAD) a note saying
+    so with the machine's load, so that no one takes a busy machine's time for the kernel's."""
+    lo, hi = min(times), max(times)
+    out = {f"{prefix}ms": statistics.median(times), f"{prefix}min_ms": lo, f"{prefix}max_ms": hi,
+           f"{prefix}reps": len(times)}
+    if len(times) >= 3 and lo > 0 and hi / lo > UNSTEADY_SPREAD:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        out[f"{prefix}unsteady"] = (f"its {len(times)} repeats range from {lo:.3g} to {hi:.3g} ms ({hi / lo:.1f}x; "
+                                    f"load average {load:.1f} on {os.cpu_count()} cores): the machine was busy, "
+                                    f"so the median is not the kernel's time")
+    return out
 
 
 def time_cpu(fn, *, warmup: int = 1, reps: int = 5, max_seconds: float = 20.0) -> dict:
@@ -26,7 +45,7 @@ def time_cpu(fn, *, warmup: int = 1, reps: int = 5, max_seconds: float = 20.0) -
         times.append((time.perf_counter() - t0) * 1e3)
         if time.perf_counter() > t_end:
             break
-    return {"ms": statistics.median(times), "min_ms": min(times), "reps": len(times)}
+    return _summary(times)
 
 
 def time_cuda(fn, *, warmup: int = 5, reps: int = 50) -> dict:
@@ -42,7 +61,7 @@ def time_cuda(fn, *, warmup: int = 5, reps: int = 50) -> dict:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return {"ms": statistics.median(times), "min_ms": min(times), "reps": len(times)}
+    return _summary(times)
 
 
 def time_cuda_graph(fn, *, warmup: int = 3, reps: int = 50, calls_per_graph: int = 1) -> dict:
@@ -74,7 +93,7 @@ def time_cuda_graph(fn, *, warmup: int = 3, reps: int = 50, calls_per_graph: int
         b.synchronize()
         times.append(a.elapsed_time(b) / calls_per_graph)
     del graph
-    return {"graph_ms": statistics.median(times), "graph_min_ms": min(times), "graph_reps": len(times)}
+    return _summary(times, "graph_")
 
 
 def time_call(fn, device, *, reps: int | None = None, graph: bool = True, max_seconds: float = 20.0,

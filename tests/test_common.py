@@ -183,3 +183,65 @@ def test_parse_shape_is_the_inverse_of_shape_label_and_names_a_bad_shape():
     for bad in ("B8 T1024 H64 K128", "B8 Tx H64 K128 V128", ""):
         with pytest.raises(ValueError, match="a shape is 'B.. T.. H.. K.. V..'"):
             bench.parse_shape(bad)
+
+
+def test_a_timing_whose_repeats_disagree_says_so():
+    """Under load the repeats of one timing spread (a busy 2-core machine gave stage 00 375-1,537 ms against
+    7-25 ms idle): the row says so, and a sweep prints it; steady repeats say nothing."""
+    import time
+
+    from common import bench
+
+    assert "unsteady" not in timing._summary([10.0, 10.5, 9.8, 11.0, 10.1])
+    out = timing._summary([10.0, 30.0, 1.0, 40.0, 10.0])
+    assert out["ms"] == 10.0 and out["min_ms"] == 1.0 and out["max_ms"] == 40.0
+    assert "from 1 to 40 ms (40.0x" in out["unsteady"] and "load average" in out["unsteady"]
+    naps = iter([0.001, 0.001, 0.1, 0.001, 0.001, 0.001])  # the warm-up, then one repeat 100x the others
+    out = timing.time_cpu(lambda: time.sleep(next(naps)), warmup=1, reps=5)
+    assert out["reps"] == 5 and "unsteady" in out, out
+    row = dict(stage="00_naive", B=1, T=64, H=2, K=32, V=32, **{"fwd_" + k: v for k, v in out.items()})
+    (msg,) = bench.unsteady(row)
+    assert msg.startswith("00_naive at B1 T64 H2 K32 V32, fwd time: its 5 repeats") and "busy" in msg
+    assert timing._summary([2.0, 2.0, 5.0], "graph_")["graph_unsteady"]
+
+
+def test_build_progress_reaches_the_terminal_under_pytest():
+    """conftest.py sends the build's progress lines to pytest's terminal with its capture lifted, so a cold
+    compile inside `pytest` shows `still compiling (N s)` instead of minutes of silence."""
+    import contextlib
+    import importlib.util
+
+    from common.paths import REPO_ROOT
+
+    shown, lifted = [], []
+
+    class Plugins:
+        def get_plugin(self, name):
+            return {"terminalreporter": Terminal(), "capturemanager": Capture()}[name]
+
+    class Terminal:
+        def ensure_newline(self):
+            pass
+
+        def write_line(self, line):
+            shown.append((line, bool(lifted)))
+
+    class Capture:
+        @contextlib.contextmanager
+        def global_and_fixture_disabled(self):
+            lifted.append(1)
+            yield
+            lifted.pop()
+
+    config = type("Config", (), {"pluginmanager": Plugins()})()
+    spec = importlib.util.spec_from_file_location("root_conftest", REPO_ROOT / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    old = build.set_progress(None)
+    try:
+        build.set_progress(old)
+        mod.pytest_configure(config)
+        build._say("kda_02: still compiling (15 s)")
+    finally:
+        build.set_progress(old)
+    assert shown == [("[kdalab] kda_02: still compiling (15 s)", True)]
