@@ -322,6 +322,18 @@ class _build_lock:
         self.fh.close()
 
 
+def sources_hash(stage_dir) -> str:
+    """A hash of what a stage's build compiles: its C++/CUDA files and the shared headers
+    (common/include), by name and content; a record made from those sources carries it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(stage_dir).glob("*")) + sorted(INCLUDE_DIR.glob("*")):
+        if f.is_file() and f.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def resource_usage(stage_dir, sources, *, arch: str = "sm_90", cutlass: bool = False, profile: bool = False,
                    extra_flags=()):
     """Registers, shared memory, stack and spills per kernel, from ptxas -v.
