@@ -32,7 +32,9 @@ from .metrics import TOLERANCE
 GATES = ("softplus", "bounded")
 OUTPUTS = ("o", "S")  # what a forward returns, as the checks name it
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dinitial_state")  # and a backward
-GATE_ID = {"softplus": 0, "bounded": 1}
+# The kernels' gate ids (stages/11_varlen/kda.h KdaGate), the one gate table: the stage contract's two gates, and
+# the log decay itself (g is a, FLA's use_gate_in_kernel=False), which only the op passes to the last stage.
+GATE_ID = {"softplus": 0, "bounded": 1, "log_decay": 3}
 DEFAULT_LOWER_BOUND = -5.0
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -215,11 +217,27 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _check_tensor(name: str, x, spec: StageSpec) -> None:
+def check_is_tensor(name: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_float(name: str, x: torch.Tensor) -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_one_device(q: torch.Tensor, named) -> None:
+    """Every tensor of ``named`` ((name, tensor or None) pairs) on q's device."""
+    dev = q.device
+    for name, x in named:
+        if x is not None and x.device != dev:
+            raise ValueError(f"{name} is on {x.device} but q is on {dev}; all inputs must be on one device")
+
+
+def _check_tensor(name: str, x, spec: StageSpec) -> None:
+    check_is_tensor(name, x)
+    check_float(name, x)
     if x.device.type not in spec.devices:
         allowed = " or ".join(spec.devices)
         raise ValueError(f"{name} must be on {allowed} for stage {spec.name}, got {x.device}")
@@ -252,10 +270,9 @@ def check_gate(gate, lower_bound, spec: StageSpec | None = None) -> tuple[str, i
     return gate, GATE_ID[gate], lb
 
 
-def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, int, int, tuple]:
-    """Validate packed sequences (FLA's convention) on a CPU copy: a 1-D int32 or int64
-    tensor [N + 1] on ``device`` with cu[0] == 0, non-decreasing, cu[-1] == T, and B == 1.
-    Returns (cu_seqlens as int32 on the device, N, the longest sequence's length, the N lengths)."""
+def check_cu_seqlens_tensor(cu_seqlens, B: int, device) -> int:
+    """What can be checked of packed sequences without reading them (no device sync): a 1-D int32 or
+    int64 tensor [N + 1] on ``device``, and B == 1. Returns N."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -267,7 +284,13 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, 
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed into one batch row: q must be [1, T, H, K], "
                          f"got B = {B}")
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens_values(cu, T: int) -> tuple[int, int, tuple]:
+    """The contents of packed sequences' offsets (a CPU tensor or a list of N + 1 ints): cu[0] == 0,
+    non-decreasing, cu[-1] == T. Returns (N, the longest sequence's length, the N lengths)."""
+    cu = torch.as_tensor(cu).detach().to("cpu", torch.int64)
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
     lengths = cu[1:] - cu[:-1]
@@ -276,7 +299,78 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, 
         raise ValueError(f"cu_seqlens must be non-decreasing, got cu[{i}] = {int(cu[i])} > cu[{i + 1}] = {int(cu[i + 1])}")
     if int(cu[-1]) != T:
         raise ValueError(f"cu_seqlens must end at T = {T} (q.shape[1]), got {int(cu[-1])}")
-    return cu_seqlens.to(torch.int32).contiguous(), cu.numel() - 1, int(lengths.max()), tuple(lengths.tolist())
+    return cu.numel() - 1, int(lengths.max()), tuple(lengths.tolist())
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int, device) -> tuple[torch.Tensor, int, int, tuple]:
+    """Validate packed sequences (FLA's convention) on a CPU copy: a 1-D int32 or int64
+    tensor [N + 1] on ``device`` with cu[0] == 0, non-decreasing, cu[-1] == T, and B == 1.
+    Returns (cu_seqlens as int32 on the device, N, the longest sequence's length, the N lengths)."""
+    check_cu_seqlens_tensor(cu_seqlens, B, device)
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    N, longest, lengths = check_cu_seqlens_values(cu, T)
+    return cu_seqlens.to(torch.int32).contiguous(), N, longest, lengths
+
+
+def check_sizes(q: torch.Tensor, k, v, g, beta) -> tuple[int, int, int, int, int]:
+    """q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], with B, T, H >= 1. Returns (B, T, H, K, V)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B, T, H, V], got shape {list(v.shape)}")
+    V = v.shape[3]
+    if min(B, T, H) < 1:
+        raise ValueError(f"q must have B, T, H >= 1, got shape {list(q.shape)}")
+    _check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    _check_shape("v", v, (B, T, H, V), "[B, T, H, V] (B, T, H as in q)")
+    _check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
+    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    return B, T, H, K, V
+
+
+def head_dims_error(spec: StageSpec, K: int, V: int) -> str | None:
+    """Why a stage cannot take head dimensions K and V (None: it can)."""
+    if spec.head_dims is not None:
+        if K not in spec.head_dims:
+            return f"K (q.shape[3]) must be one of {list(spec.head_dims)} for stage {spec.name}, got {K}"
+        if V not in spec.head_dims:
+            return f"V (v.shape[3]) must be one of {list(spec.head_dims)} for stage {spec.name}, got {V}"
+    else:
+        if not 1 <= K <= spec.max_head_dim:
+            return f"K (q.shape[3]) must be in [1, {spec.max_head_dim}] for stage {spec.name}, got {K}"
+        if not 1 <= V <= spec.max_head_dim:
+            return f"V (v.shape[3]) must be in [1, {spec.max_head_dim}] for stage {spec.name}, got {V}"
+    if spec.equal_kv and K != V:
+        return f"stage {spec.name} needs K == V, got K={K}, V={V}"
+    return None
+
+
+def check_head_dims(spec: StageSpec, K: int, V: int) -> None:
+    why = head_dims_error(spec, K, V)
+    if why is not None:
+        raise ValueError(why)
+
+
+def check_scale(scale, K: int) -> float:
+    """The attention scale: None gives K ** -0.5; any other value is taken as it is (0.0 included)."""
+    if scale is None:
+        scale = K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_state_shape(initial_state: torch.Tensor, N: int, H: int, K: int, V: int, *, state_v_first: bool,
+                      packed: bool) -> None:
+    """initial_state [N, H, K, V], or [N, H, V, K] with state_v_first (N: the sequences, B unless packed)."""
+    n = "N" if packed else "B"
+    want, labels = ((N, H, V, K), f"[{n}, H, V, K] (state_v_first)") if state_v_first else \
+        ((N, H, K, V), f"[{n}, H, K, V]")
+    _check_shape("initial_state", initial_state, want, labels)
 
 
 def prepare(
@@ -316,54 +410,19 @@ def prepare(
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, spec)
     dev = q.device
-    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
-                    ("dt_bias", dt_bias), ("initial_state", initial_state)):
-        if x is not None and x.device != dev:
-            raise ValueError(f"{name} is on {x.device} but q is on {dev}; all inputs must be on one device")
+    check_one_device(q, (("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                         ("dt_bias", dt_bias), ("initial_state", initial_state)))
 
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {list(q.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4:
-        raise ValueError(f"v must be [B, T, H, V], got shape {list(v.shape)}")
-    V = v.shape[3]
-    if min(B, T, H) < 1:
-        raise ValueError(f"q must have B, T, H >= 1, got shape {list(q.shape)}")
-    _check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    _check_shape("v", v, (B, T, H, V), "[B, T, H, V] (B, T, H as in q)")
-    _check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
-    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    B, T, H, K, V = check_sizes(q, k, v, g, beta)
     _check_shape("A_log", A_log, (H,), "[H]")
     _check_shape("dt_bias", dt_bias, (H, K), "[H, K]")
     N, max_seqlen, seq_lens = B, T, None
     if cu_seqlens is not None:
         cu_seqlens, N, max_seqlen, seq_lens = check_cu_seqlens(cu_seqlens, B, T, dev)
     if initial_state is not None:
-        n = "N" if cu_seqlens is not None else "B"
-        want, labels = ((N, H, V, K), f"[{n}, H, V, K] (state_v_first)") if state_v_first else \
-            ((N, H, K, V), f"[{n}, H, K, V]")
-        _check_shape("initial_state", initial_state, want, labels)
-
-    if spec.head_dims is not None:
-        if K not in spec.head_dims:
-            raise ValueError(f"K (q.shape[3]) must be one of {list(spec.head_dims)} for stage {spec.name}, got {K}")
-        if V not in spec.head_dims:
-            raise ValueError(f"V (v.shape[3]) must be one of {list(spec.head_dims)} for stage {spec.name}, got {V}")
-    else:
-        if not 1 <= K <= spec.max_head_dim:
-            raise ValueError(f"K (q.shape[3]) must be in [1, {spec.max_head_dim}] for stage {spec.name}, got {K}")
-        if not 1 <= V <= spec.max_head_dim:
-            raise ValueError(f"V (v.shape[3]) must be in [1, {spec.max_head_dim}] for stage {spec.name}, got {V}")
-    if spec.equal_kv and K != V:
-        raise ValueError(f"stage {spec.name} needs K == V, got K={K}, V={V}")
-
-    if scale is None:
-        scale = K ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+        check_state_shape(initial_state, N, H, K, V, state_v_first=state_v_first, packed=cu_seqlens is not None)
+    check_head_dims(spec, K, V)
+    scale = check_scale(scale, K)
 
     if chunk_size is None:
         chunk_size = spec.default_chunk

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from .contract import GATE_ID
 from .reference import L2_EPS, kda_recurrence, log_decay
 
-GATE_IDS = (0, 1, 3)  # softplus, bounded, the log decay (stages/11_varlen/kda.h KdaGate)
+GATE_IDS = tuple(GATE_ID.values())  # softplus, bounded, the log decay (the contract's gate table)
 
 
 class ReferenceExtension:
@@ -69,14 +70,14 @@ class ReferenceExtension:
             qd = qd / torch.sqrt((qd * qd).sum(-1, keepdim=True) + L2_EPS)
             kd = kd / torch.sqrt((kd * kd).sum(-1, keepdim=True) + L2_EPS)
         bd = {0: bd, 1: torch.sigmoid(bd), 2: 2 * torch.sigmoid(bd)}[beta_mode]
-        if gate_id == 3:
+        if gate_id == GATE_ID["log_decay"]:
             a = gd
             if lower_bound < 0 and bool((a < lower_bound).any()):  # past the factored products' range
                 a = torch.full_like(a, float("nan"))
         else:
             a = log_decay(gd, A_log.detach().to("cpu", f64), dt_bias.detach().to("cpu", f64),
-                          gate="softplus" if gate_id == 0 else "bounded",
-                          lower_bound=None if gate_id == 0 else lower_bound)
+                          gate="softplus" if gate_id == GATE_ID["softplus"] else "bounded",
+                          lower_bound=None if gate_id == GATE_ID["softplus"] else lower_bound)
         S0 = None if h0 is None else h0.detach().to("cpu", f64)
         if S0 is not None and state_v_first:
             S0 = S0.transpose(-1, -2)

@@ -41,17 +41,18 @@ captured in a CUDA graph. ``chunk_kda`` checks and converts outside the op.
 
 from __future__ import annotations
 
-import math
+import contextlib
+import dataclasses
 
 import torch
 
+from common import contract
 from common.stages import last_stage
 
 # The stage whose kernels run, for every gate: the last of the ladder. A bounded gate (the bounded gate, or the
 # log decay with safe_gate) runs its instantiation of stage 11's arithmetic (stage 11's bits), a gate without a
 # bound (the softplus gate, the log decay without safe_gate) the products as needed.
 STAGE = last_stage()  # the ladder's last stage (common.stages.last_stage): stages/12_softplus today
-CHUNK = 16  # the kernel's chunk size (FLA's own is 64: a Triton tiling, not a property of the op)
 _DEVICE_TYPES = ("cuda",)  # where the kernel runs (the CPU tests widen it to reach a fake extension)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _FLA = "fla.ops.kda.chunk_kda"
@@ -88,14 +89,49 @@ def _refuse(flag, got, supported, instead=f"use {_FLA}", exc=NotImplementedError
     return exc(f"kdalab.chunk_kda: {flag}={got} is not supported ({supported}); {instead}")
 
 
+@contextlib.contextmanager
+def _rule():
+    """A rule of the stage contract (common.contract) broken by the call: its error, named as the op's."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"kdalab.chunk_kda: {e}") from None
+
+
+def _spec():
+    """The last stage's spec (what its kernels take), on the device types the op runs on."""
+    from common.stages import load_stage
+
+    return dataclasses.replace(load_stage(STAGE).SPEC, devices=_DEVICE_TYPES)
+
+
+def _gate(use_gate_in_kernel, safe_gate, lower_bound) -> tuple[str, float]:
+    """FLA's gate flags as the contract's gate (a name of contract.GATE_ID) and the kernel's bound:
+    the raw gate activated in the kernel, the softplus gate or with lower_bound the bounded one; or g the
+    log decay itself, bounded by lower_bound with safe_gate (-5 without one, FLA's default), else not at
+    all (0: the kernel forms the products pair by pair where a chunk needs it)."""
+    if use_gate_in_kernel:
+        if lower_bound is None:
+            return "softplus", 0.0
+        with _rule():
+            return "bounded", contract.check_gate("bounded", lower_bound)[2]
+    if not safe_gate:
+        return "log_decay", 0.0
+    with _rule():
+        return "log_decay", contract.check_gate("bounded", -5.0 if lower_bound is None else lower_bound)[2]
+
+
 def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
           allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
           return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
           cp_context=None, use_graph=False, max_num_seqs=None, *, sync=True, **kwargs) -> dict:
     """Check a chunk_kda call and return the op's scalar arguments, or raise the
-    call's first problem (TypeError / ValueError / NotImplementedError). Nothing
-    here touches the extension. ``sync=False`` leaves the contents of
+    call's first problem (TypeError / ValueError / NotImplementedError). The rules
+    every stage's call obeys are the stage contract's (common.contract, with the
+    last stage's spec); what is here is FLA's: its flags, the words of its own
+    checks, and what the kernel does not run (NotImplementedError, naming FLA).
+    Nothing here touches the extension. ``sync=False`` leaves the contents of
     cu_seqlens unchecked unless cu_seqlens_cpu is given (no device copy)."""
     # ---- keyword arguments FLA takes in **kwargs ----
     if "transpose_state_layout" in kwargs:  # FLA's deprecated name of state_v_first
@@ -107,25 +143,24 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
     if kwargs:
         raise TypeError(f"kdalab.chunk_kda got unexpected keyword argument(s) {sorted(kwargs)}: it takes "
                         f"{_FLA}'s arguments, and A_log, dt_bias, chunk_size, transpose_state_layout in **kwargs")
+    spec = _spec()
 
     # ---- tensors and device ----
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"kdalab.chunk_kda: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if q.device.type not in _DEVICE_TYPES:
+    with _rule():
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            contract.check_is_tensor(name, t)
+    if q.device.type not in spec.devices:
         raise _refuse("q.device", q.device, "CUDA tensors only", exc=ValueError)
     if not use_gate_in_kernel:
         A_log, dt_bias = None, None  # FLA ignores them too: g is the log decay
-    optional = (("A_log", A_log), ("dt_bias", dt_bias), ("initial_state", initial_state),
-                ("cu_seqlens", cu_seqlens))
-    tensors = [("k", k), ("v", v), ("g", g), ("beta", beta)] + [(n, t) for n, t in optional if t is not None]
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"kdalab.chunk_kda: {name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.device != q.device:
-            raise ValueError(f"kdalab.chunk_kda: {name} is on {t.device}, q on {q.device}: all on one device")
+    optional = [(n, t) for n, t in (("A_log", A_log), ("dt_bias", dt_bias), ("initial_state", initial_state),
+                                    ("cu_seqlens", cu_seqlens)) if t is not None]
+    with _rule():
+        for name, t in optional:
+            contract.check_is_tensor(name, t)
+        contract.check_one_device(q, [("k", k), ("v", v), ("g", g), ("beta", beta)] + optional)
     if torch.is_grad_enabled():
-        for name, t in [("q", q)] + tensors:
+        for name, t in [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)] + optional:
             if t.requires_grad:
                 raise _refuse(f"{name}.requires_grad", True, "forward only: no backward",
                               "run under torch.inference_mode() or torch.no_grad(), or train with " + _FLA)
@@ -138,53 +173,40 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
     if use_graph:
         raise _refuse("use_graph", True, "FLA's padded fixed-shape chunk lists are not built here",
                       f"capture kdalab.chunk_kda in a CUDA graph as it is, or use {_FLA}")
-    if chunk_size is not None and chunk_size != CHUNK:
-        raise _refuse("chunk_size", chunk_size, f"the kernel's chunk is {CHUNK} tokens (FLA's 64 is its Triton "
-                      "tiling; the result does not depend on it)", "leave chunk_size out", exc=ValueError)
+    if chunk_size is not None and chunk_size not in spec.chunk_sizes:
+        raise _refuse("chunk_size", chunk_size, f"the kernel's chunk is {spec.default_chunk} tokens (FLA's 64 is "
+                      "its Triton tiling; the result does not depend on it)", "leave chunk_size out", exc=ValueError)
     if lower_bound is None and use_gate_in_kernel and safe_gate:
         raise _refuse("lower_bound", None, "safe_gate=True with use_gate_in_kernel=True needs lower_bound "
                       "in [-5, 0), as FLA does", "pass lower_bound (FLA recommends -5)", exc=ValueError)
-    softplus = use_gate_in_kernel and lower_bound is None
-    if softplus and A_log is None:  # FLA's check and words
+    if use_gate_in_kernel and lower_bound is None and A_log is None:  # FLA's check and words
         raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
-    if lower_bound is not None and (use_gate_in_kernel or safe_gate):  # the log decay without safe_gate ignores it
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"kdalab.chunk_kda: lower_bound must be a float, got {type(lower_bound).__name__}")
-        if not -5 <= lower_bound < 0:
-            raise _refuse("lower_bound", lower_bound, "lower_bound in [-5, 0)", "pass lower_bound in [-5, 0)",
-                          exc=ValueError)
+    gate, lb = _gate(use_gate_in_kernel, safe_gate, lower_bound)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")  # FLA's words
 
-    # ---- dtypes and shapes ----
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"kdalab.chunk_kda: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"kdalab.chunk_kda: q must be [B, T, H, K], got shape {list(q.shape)}")
+    # ---- dtypes and shapes: the contract's, after what the kernel does not run ----
+    with _rule():
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            contract.check_float(name, t)
+        if q.dim() != 4 or v.dim() != 4:
+            contract.check_sizes(q, k, v, g, beta)  # its error: q or v is no 4-D tensor
     B, T, H, K = q.shape
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"kdalab.chunk_kda: v must be [B, T, HV, V] = [{B}, {T}, HV, V], got {list(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV != H:
-        raise _refuse("v.shape[2] (HV)", HV, f"as many value heads as query heads, H = {H}; GVA is not run here")
-    if K != V or K not in (64, 128):
-        raise _refuse("head dims (K, V)", (K, V), "K = V in {64, 128}")
-    if B < 1 or T < 1 or H < 1:
-        raise ValueError(f"kdalab.chunk_kda: q must have B, T, H >= 1, got shape {list(q.shape)}")
-    for name, t, shape in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("beta", beta, (B, T, H))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"kdalab.chunk_kda: {name} must have shape {list(shape)}, got {list(t.shape)}")
-    if use_gate_in_kernel:
-        if A_log is not None and A_log.numel() != H:
-            raise ValueError(f"kdalab.chunk_kda: A_log must be [H] = [{H}], got {list(A_log.shape)}")
-        if dt_bias is not None and dt_bias.numel() != H * K:
-            raise ValueError(f"kdalab.chunk_kda: dt_bias must be [H * K] or [H, K] = [{H * K}] or [{H}, {K}], "
-                             f"got {list(dt_bias.shape)}")
-    if scale is None:
-        scale = K ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"kdalab.chunk_kda: scale must be a finite float or None, got {scale!r}")
+    if v.shape[2] != H and tuple(v.shape[:2]) == (B, T):
+        raise _refuse("v.shape[2] (HV)", v.shape[2], f"as many value heads as query heads, H = {H}; GVA is not run "
+                      "here")
+    why = contract.head_dims_error(spec, K, v.shape[3])
+    if why is not None:
+        raise _refuse("head dims (K, V)", (K, v.shape[3]), f"K = V in {{{', '.join(map(str, spec.head_dims))}}}")
+    with _rule():
+        B, T, H, K, V = contract.check_sizes(q, k, v, g, beta)
+        if use_gate_in_kernel:  # FLA's forms: A_log [H], dt_bias [H * K] or [H, K]
+            if A_log is not None and A_log.numel() != H:
+                raise ValueError(f"A_log must be [H] = [{H}], got {list(A_log.shape)}")
+            if dt_bias is not None and dt_bias.numel() != H * K:
+                raise ValueError(f"dt_bias must be [H * K] or [H, K] = [{H * K}] or [{H}, {K}], "
+                                 f"got {list(dt_bias.shape)}")
+        scale = contract.check_scale(scale, K)
 
     # ---- packed sequences and states ----
     N, max_seqlen, seq_lens = B, 0, []  # the longest packed sequence (0: T, the kernel's bound when it is not
@@ -192,26 +214,20 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
     if cu_seqlens_cpu is not None and cu_seqlens is None:
         raise ValueError("kdalab.chunk_kda: cu_seqlens_cpu is given without cu_seqlens")
     if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
-            raise TypeError(f"kdalab.chunk_kda: cu_seqlens must be a 1-D int32 or int64 tensor of N + 1 >= 2 "
-                            f"offsets, got {cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
-        N = len(cu_seqlens) - 1
         if B != 1:  # FLA's check and words
             raise ValueError(f"The batch size is expected to be 1 rather than {B} when using `cu_seqlens`."
                              f"Please flatten variable-length inputs before processing.")
+        with _rule():
+            N = contract.check_cu_seqlens_tensor(cu_seqlens, B, q.device)
         if cu_seqlens_cpu is not None and (not isinstance(cu_seqlens_cpu, torch.Tensor)
                                            or cu_seqlens_cpu.device.type != "cpu"
                                            or tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape)):
             raise ValueError(f"kdalab.chunk_kda: cu_seqlens_cpu must be the CPU copy of cu_seqlens "
                              f"(shape {list(cu_seqlens.shape)})")
         if _host_reads(cu_seqlens_cpu, sync):
-            cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
-            lengths = [b - a for a, b in zip(cu, cu[1:])]
-            if cu[0] != 0 or cu[-1] != T or min(lengths) < 0:
-                raise ValueError(f"kdalab.chunk_kda: cu_seqlens must start at 0, never decrease and end at "
-                                 f"T = {T}, got {cu if len(cu) <= 16 else cu[:8] + ['...'] + cu[-4:]}")
-            max_seqlen, seq_lens = max(lengths), lengths
-    state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
+            with _rule():
+                _, max_seqlen, seq_lens = contract.check_cu_seqlens_values(
+                    cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu(), T)
     if initial_state is not None:
         if initial_state.dtype != torch.float32:
             raise TypeError(f"kdalab.chunk_kda: initial_state must be float32 (as FLA requires), "
@@ -219,15 +235,11 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
         if cu_seqlens is not None and initial_state.dim() > 0 and initial_state.shape[0] != N:  # FLA's words
             raise ValueError(f"The number of initial states is expected to be equal to the number of input "
                              f"sequences, i.e., {N} rather than {initial_state.shape[0]}.")
-        if tuple(initial_state.shape) != state_shape:
-            raise ValueError(f"kdalab.chunk_kda: initial_state must be [N, H, {'V, K' if state_v_first else 'K, V'}]"
-                             f" = {list(state_shape)}, got {list(initial_state.shape)}")
+        with _rule():
+            contract.check_state_shape(initial_state, N, H, K, V, state_v_first=state_v_first,
+                                       packed=cu_seqlens is not None)
 
-    if use_gate_in_kernel:  # 0: the softplus gate; 1: the bounded gate
-        gate_id, lb = (0, 0.0) if softplus else (1, float(lower_bound))
-    else:  # 3: the log decay, bounded by lower_bound (safe_gate) or not at all (lower_bound 0: pairwise)
-        gate_id, lb = 3, (float(-5.0 if lower_bound is None else lower_bound) if safe_gate else 0.0)
-    return dict(scale=float(scale), gate_id=gate_id, lower_bound=lb,
+    return dict(scale=scale, gate_id=contract.GATE_ID[gate], lower_bound=lb,
                 l2norm=bool(use_qk_l2norm_in_kernel),
                 beta_mode=(2 if allow_neg_eigval else 1) if use_beta_sigmoid_in_kernel else 0,
                 state_v_first=bool(state_v_first), output_final_state=bool(output_final_state),
@@ -279,7 +291,7 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     if dt_bias is None:
         dt_bias = q.new_zeros(H, K, dtype=torch.float32)
     _extension().fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=initial_state, scale=scale,
-                     gate_id=gate_id, lower_bound=lower_bound, chunk_size=CHUNK, o=o, ht=ht, prof=None,
+                     gate_id=gate_id, lower_bound=lower_bound, chunk_size=_spec().default_chunk, o=o, ht=ht, prof=None,
                      cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first, l2norm=l2norm,
                      beta_mode=beta_mode, seq_lens=seq_lens)  # the path, products and u: the stage's rule
     return o, ht if output_final_state else ht.new_empty(0)
@@ -412,7 +424,7 @@ def chunk_kda(
     A_log, dt_bias = p["A_log"], p["dt_bias"]
     o, ht = torch.ops.kdalab.chunk_kda_fwd(
         bf16(q), bf16(k), bf16(v),
-        bf16(g) if p["gate_id"] != 3 else g.to(torch.float32).contiguous(),
+        bf16(g) if p["gate_id"] != contract.GATE_ID["log_decay"] else g.to(torch.float32).contiguous(),
         bf16(beta),
         None if A_log is None else A_log.to(torch.float32).reshape(H).contiguous(),
         None if dt_bias is None else dt_bias.to(torch.float32).reshape(H, K).contiguous(),

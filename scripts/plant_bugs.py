@@ -122,9 +122,11 @@ MUTATIONS = {
     "stages: the fp32 tolerances at the regime's 1e-5": (
         "common/contract.py", "            return float(self.tolerance[output])", "            return 1e-5"),
     "op: scale=0.0 taken as the default scale": (
-        "kdalab/op.py", "    if scale is None:\n        scale = K ** -0.5", "    if not scale:\n        scale = K ** -0.5", ["tests/test_op.py"]),
+        "common/contract.py", "    if scale is None:\n        scale = K ** -0.5", "    if not scale:\n        scale = K ** -0.5", ["tests/test_op.py"]),
     "op: max_seqlen of the first sequence": (
-        "kdalab/op.py", "max_seqlen, seq_lens = max(lengths), lengths", "max_seqlen, seq_lens = lengths[0], lengths", ["tests/test_op.py"]),
+        "kdalab/op.py", "cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu(), T)\n",
+        "cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu(), T)\n                max_seqlen = seq_lens[0]\n",
+        ["tests/test_op.py"]),
     "op: the V-first state taken K-first": (
         "kdalab/op.py", "state_v_first=bool(state_v_first), output_final_state", "state_v_first=False, output_final_state", ["tests/test_op.py"]),
     "contract: max_seqlen one short": (
