@@ -25,7 +25,9 @@ import torch
 from . import bench, checks, results
 from .results import FLA_TC, FLASHKDA, FLASHKDA_MEASURED, anchor_rows
 from .bench import PROFILE_SHAPE, progress_bar
-from .build import resource_usage
+from .build import resource_usage, sources_hash
+
+PTXAS_COLUMNS = ("kernel", "registers", "smem_bytes", "stack_bytes", "spill_stores", "spill_loads")
 from .fla_ref import fla_available, flashkda_available, flashkda_unsupported
 from .paths import STAGES_DIR
 from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeline, plot_latency, plot_paths,
@@ -434,10 +436,14 @@ def resources(stage_id) -> pd.DataFrame:
     call launches at the stage's regime shape (see :func:`launches`): ptxas
     cannot see dynamic shared memory, which is sized at launch."""
     stage = load_stage(stage_id)
-    rows = resource_usage(STAGES_DIR / STAGE_DIRS[stage.SPEC.id], stage.SOURCES,
-                          arch="sm_90a" if stage.SPEC.extra.get("sm90a") else "sm_90",
-                          cutlass=stage.SPEC.extra.get("cutlass", False),
-                          extra_flags=getattr(stage, "CUDA_FLAGS", ()))
+    d, arch = STAGES_DIR / STAGE_DIRS[stage.SPEC.id], "sm_90a" if stage.SPEC.extra.get("sm90a") else "sm_90"
+    rec = results.recorded(f"ptxas_{stage.SPEC.name}", "cpu")  # scripts/ptxas_record.py: no second compile
+    if rec and rec["meta"].get("sources_hash") == sources_hash(d) and rec["meta"].get("arch") == arch:
+        rows = [{k: r[k] for k in PTXAS_COLUMNS} for r in rec["rows"]]
+        print(f"ptxas -v ({arch}): results/cpu/ptxas_{stage.SPEC.name}.json, recorded from these sources")
+    else:
+        rows = resource_usage(d, stage.SOURCES, arch=arch, cutlass=stage.SPEC.extra.get("cutlass", False),
+                              extra_flags=getattr(stage, "CUDA_FLAGS", ()))
     df = pd.DataFrame(rows).rename(columns={"smem_bytes": "static_smem_bytes"})
     if "cuda" not in stage.SPEC.devices:
         return df
