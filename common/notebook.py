@@ -121,10 +121,12 @@ def environment() -> str:
 
 
 def build(stage_id, profile=True):
-    """Build a stage (and its profile variant); returns the stage module."""
+    """Build a stage, and its profile variant where the stage runs here (a profile is taken only there:
+    elsewhere the chapter shows the recorded one, and the variant would be a second compile of every
+    translation unit); returns the stage module."""
     stage = load_stage(stage_id)
     stage.build()
-    if profile and stage.build() is not None:
+    if profile and stage.build() is not None and stage.SPEC.runnable_here()[0]:
         stage.build(profile=True)
     return stage
 
