@@ -74,9 +74,11 @@ def test_help_does_not_import_torch():
     assert "exit codes" in out.stdout
 
 
-def test_a_build_says_up_to_date_when_nothing_changed(capsys):
+def test_a_build_says_up_to_date_when_nothing_changed(capsys, monkeypatch):
     from common import build
     from common.stages import load_stage
+
+    monkeypatch.setattr(build, "_SAY", [lambda msg: print(msg, flush=True)])  # printed, as outside pytest
 
     load_stage("01").build()
     build._LOADED.pop(build.extension_name("01_cpp"), None)  # as a new process would
