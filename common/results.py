@@ -137,6 +137,13 @@ def flashkda_rows(measured=None) -> list[dict]:
 
 
 def label(meta: dict) -> str:
-    """One line saying where recorded figures come from."""
-    return (f"recorded on {meta.get('device')} at {meta.get('date')}, commit {meta.get('commit')}, "
-            f"command: {meta.get('command')}")
+    """One short line saying where recorded figures come from: the device, the day(s) and the commit(s) (the
+    command, its notes and the hours stay in the record's meta, for whoever re-runs it)."""
+    import re
+
+    days = list(dict.fromkeys(re.findall(r"\d{4}-\d\d-\d\d", str(meta.get("date", ""))))) or [str(meta.get("date"))]
+    commits = list(dict.fromkeys(re.findall(r"\b[0-9a-f]{7,12}\b", str(meta.get("commit", ""))))) \
+        or [str(meta.get("commit"))]
+    commits = [c[:7] for c in commits]
+    return (f"recorded on {meta.get('device')}, {', '.join(days)}, commit{'s' if len(commits) > 1 else ''} "
+            f"{', '.join(dict.fromkeys(commits))}")
