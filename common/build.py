@@ -273,7 +273,7 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
                 what = "up to date"
             elif todo is None:
                 what = (f"first build: compiling {', '.join(sources)} "
-                        f"(about {'3-5 minutes' if cutlass else '1 minute'} on 2 cores)")
+                        f"(about {'0.5-2 minutes' if cutlass else '30 s'} on 2 cores: results/cpu/ci_time.json)")
             else:
                 what = "compiling what changed: " + ", ".join(todo)
             _say(f"{name}: {what}")
