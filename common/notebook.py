@@ -33,8 +33,8 @@ from .paths import STAGES_DIR
 from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeline, plot_latency, plot_paths,
                        plot_profile, split_bars)
 from .report import README_FIGURES
-from .stages import (STAGE_DIRS, declared_records, fused_stage, load_stage, normalize, previous,
-                     tensor_core_stages, varlen_record)
+from .stages import (STAGE_DIRS, declared_records, fused_stage, lesson_source, load_stage, neighbour_diff,
+                     normalize, previous, tensor_core_stages, varlen_record)
 
 FIGURES: set = set()  # names of the functions below that draw a figure
 
@@ -129,6 +129,33 @@ def build(stage_id, profile=True):
     if profile and stage.build() is not None and stage.SPEC.runnable_here()[0]:
         stage.build(profile=True)
     return stage
+
+
+def diff(stage_id, lines: int = 30) -> pd.DataFrame:
+    """The chapter's lesson as code: the neighbour diff from the previous stage (lines added and removed per
+    file, as the default builds see them: an ablation switch's other branch left out), an excerpt of its largest
+    change (the hunk that adds the most lines, at most ``lines`` of it), and the command that prints the rest."""
+    import difflib
+
+    sid = own_stage(stage_id)
+    pid = previous(sid)
+    rows = neighbour_diff(sid, lesson=True)
+    print(f"diff -ru stages/{STAGE_DIRS[pid]} stages/{STAGE_DIRS[sid]}   # the whole lesson "
+          f"({sum(r['added'] for r in rows)} lines added, {sum(r['removed'] for r in rows)} removed, READMEs aside)")
+    hunks = []
+    for r in rows:
+        text = list(difflib.unified_diff(lesson_source(pid, r["file"]), lesson_source(sid, r["file"]),
+                                         f"{STAGE_DIRS[pid]}/{r['file']}", f"{STAGE_DIRS[sid]}/{r['file']}",
+                                         lineterm="", n=2))
+        cut = [i for i, line in enumerate(text) if line.startswith("@@")] + [len(text)]
+        for a, b in zip(cut, cut[1:]):
+            hunk = text[a:b]
+            hunks.append((sum(x.startswith("+") for x in hunk), r["file"], hunk))
+    if hunks:
+        added, name, hunk = max(hunks, key=lambda h: h[0])
+        print(f"\nits largest change, in {name} ({added} lines added here):\n")
+        print("\n".join(hunk[:lines]) + (f"\n... ({len(hunk) - lines} more lines)" if len(hunk) > lines else ""))
+    return pd.DataFrame(rows).set_index("file") if rows else pd.DataFrame()
 
 
 def _recorded(name):

@@ -136,3 +136,26 @@ def test_a_recorded_check_above_todays_tolerance_raises(monkeypatch):
     monkeypatch.setattr(nb, "_recorded", lambda name: (rec["meta"], rows))
     with pytest.raises(nb.CheckFailed, match="declares the previous stage bits"):
         nb.error_table("07")
+
+
+def test_every_tensor_core_chapter_shows_its_neighbour_diff():
+    """Chapters 05 on show the lesson as code: nb.diff of their own stage (the diff's size per file and the
+    excerpt of its largest change, with the command that prints the rest)."""
+    import json
+
+    from common.paths import REPO_ROOT
+    from common.stages import STAGE_DIRS, tensor_core_stages
+
+    for sid in tensor_core_stages():
+        cells = json.loads((REPO_ROOT / "notebooks" / f"{STAGE_DIRS[sid]}.ipynb").read_text())["cells"]
+        assert any(f'nb.diff("{sid}")' in "".join(c["source"]) for c in cells if c["cell_type"] == "code"), sid
+
+
+def test_the_diff_names_the_command_and_an_excerpt(capsys):
+    from common import notebook as nb
+
+    df = nb.diff("07")
+    out = capsys.readouterr().out
+    assert out.startswith("diff -ru stages/06_ws_pipeline stages/07_movm_register")
+    assert "its largest change, in kda.cu" in out and "\n+" in out
+    assert df.loc["kda.cu", "added"] > 0

@@ -50,13 +50,19 @@ def test_the_documents_are_the_whole_prose():
 
 
 def _plant(doc_text: str, fig: prose.Figure, rng: random.Random) -> str:
-    """The document with one digit of one figure changed."""
+    """The document with one digit of one figure changed, at the precision it is printed with: a change that
+    drops a significant digit ("91" to "90", which reads as one digit, 9e1) is a rounder figure, not a wrong
+    one, and is drawn again."""
     lines = doc_text.splitlines()
     line = lines[fig.lineno - 1]
     digits = [i for i in range(fig.start, fig.end) if line[i].isdigit()]
-    i = rng.choice(digits)
-    new = rng.choice([d for d in "0123456789" if d != line[i]])
-    lines[fig.lineno - 1] = line[:i] + new + line[i + 1:]
+    while True:
+        i = rng.choice(digits)
+        new = rng.choice([d for d in "0123456789" if d != line[i]])
+        changed = line[:i] + new + line[i + 1:]
+        if prose.sig_digits(changed[fig.start:fig.end]) >= prose.sig_digits(line[fig.start:fig.end]):
+            break
+    lines[fig.lineno - 1] = changed
     return "\n".join(lines)
 
 
