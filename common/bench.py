@@ -63,7 +63,7 @@ def declared_latency_rows() -> list[dict]:
             out.append(dict({k: r[k] for k in ("B", "T", "H", "K", "V")}, stage=name, fwd_ms=r.get("ms"),
                             fwd_graph_ms=r.get("graph_ms"), peak_mb=r.get("peak_mb"), gate=r.get("gate"),
                             record=f"results/h200/{decl['file']}.json", commit=meta.get("commit"),
-                            run=meta.get("date")))
+                            run=meta.get("date"), device=meta.get("device")))
     return out
 
 

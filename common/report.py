@@ -90,7 +90,7 @@ def _recorded_latency(name: str, reg: str):
         meta, rows = bench.recorded_tc_rows()
     row = _at([r for r in rows if r.get("stage") == name], REGIMES[reg]["shape"])
     if row is not None and row.get("record"):  # its own record's provenance
-        meta = dict(meta or {}, device="NVIDIA H200", date=row.get("run") or "", commit=row.get("commit"))
+        meta = dict(meta or {}, device=row.get("device"), date=row.get("run") or "", commit=row.get("commit"))
     return (row, meta) if meta is not None else (None, None)
 
 
@@ -479,12 +479,11 @@ def results_markdown() -> str:
         fk = (f"FlashKDA measured beside them there, the anchor {anchor} where it was not" if measured
               else f"FlashKDA from the anchor {anchor}")
         _, rows = bench.recorded_tc_rows()
-        own = {}  # the stages whose rows come from a record of their own (RECORDS["latency"] in stage.py)
+        own = {}  # (record, commit) -> the stages whose rows come from it (RECORDS["latency"] in stage.py)
         for r in rows:
             if r.get("record"):
-                own.setdefault(r["record"], []).append(r["stage"][:2])
-        decl = "".join(f"; stages {', '.join(dict.fromkeys(ids))} from `{rec}` (commit {next(r['commit'] for r in rows if r.get('record') == rec)})"
-                       for rec, ids in own.items())
+                own.setdefault((r["record"], r["commit"]), {})[r["stage"][:2]] = None
+        decl = "".join(f"; stages {', '.join(ids)} from `{rec}` (commit {commit})" for (rec, commit), ids in own.items())
         lines += [f"**The tensor-core stages against FLA and FlashKDA** (forward, GPU time by CUDA-graph replay, "
                   f"ms; stages and FLA from `results/h200/tc_stages.json`{decl}, {fk}):\n", tc]
     abl = ablations_overview_markdown()

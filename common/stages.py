@@ -190,7 +190,7 @@ def declared_records(key: str) -> dict:
     results/h200/tc_stages.json has no row of the stage: a record and the rows of it that are the stage's)."""
     out = {}
     for sid in stage_ids():
-        rec = getattr(load_stage(sid), "RECORDS", None) or {}
+        rec = stage(sid).records
         if key in rec:
             out[sid] = rec[key]
     return out

@@ -118,7 +118,7 @@ def _gate(use_gate_in_kernel, safe_gate, lower_bound) -> tuple[str, float]:
     if not safe_gate:
         return "log_decay", 0.0
     with _rule():
-        return "log_decay", contract.check_gate("bounded", -5.0 if lower_bound is None else lower_bound)[2]
+        return "log_decay", contract.check_gate("bounded", lower_bound)[2]  # None: the contract's -5, FLA's default
 
 
 def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
