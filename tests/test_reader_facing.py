@@ -13,12 +13,15 @@ LAB_LOG = re.compile(r"\bsessions?\b|\bdevice budget\b|\bbudget of the device\b|
 
 
 def reader_facing() -> dict:
-    """{file: its prose}: README.md, docs/*.md, the stage READMEs, the notebooks' markdown cells."""
+    """{file: its text}: README.md, docs/*.md, the stage READMEs, the notebooks' markdown cells and printed outputs."""
     out = {p: p.read_text() for p in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")),
                                       *sorted((REPO_ROOT / "stages").glob("*/README.md"))]}
     for p in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(p.read_text())["cells"]
-        out[p] = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        prose = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+        shown = ["".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                 for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])]  # what its cells print
+        out[p] = "\n".join(prose + shown)
     return out
 
 
