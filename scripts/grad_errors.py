@@ -52,6 +52,9 @@ class Built:
         return extrun.run(self.ext_fn(), self.stage.SPEC, c)
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU for stages 00-01
+
+
 def outputs(fn, inp, cot, device):
     return checks.run(fn, inp, device, backward=True, cotangents=cot)
 
@@ -98,11 +101,11 @@ def main(argv=None) -> int:
                                lower_bound=-5.0 if args.gate == "bounded" else None, h0=not args.no_h0, seed=seed)
             inp = checks.case_inputs(case)
             cot = make_cotangents((case.B, case.T, case.H, case.V), (case.B, case.H, case.K, case.V), seed=seed)
-            ref = checks.run(kda_reference, inp, "cuda", backward=True, cotangents=cot, dtype=torch.float64)
+            ref = checks.run(kda_reference, inp, DEV, backward=True, cotangents=cot, dtype=torch.float64)
             scales = checks.reduction_scales(inp, cot)
-            got = {"fp32 loop": outputs(fp32_loop, inp, cot, "cuda")}
+            got = {"fp32 loop": outputs(fp32_loop, inp, cot, DEV)}
             for name, v in variants:
-                got[name] = outputs(v.forward, inp, cot, "cuda")
+                got[name] = outputs(v.forward, inp, cot, DEV)
             found = {}
             for name, res in got.items():
                 errs = found.setdefault(name, {})

@@ -25,6 +25,8 @@
 //   vcorr = u - w @ S;   o = qd @ S + Aqk @ vcorr;   S <- diag(exp(glast)) S + kr^T @ vcorr
 // Products like kd @ ki^T are evaluated as sum_d kn[c,d] kn[i,d] exp(gc[c,d] - gc[i,d])
 // with c >= i: the exponent is <= 0 (the gate is negative), so nothing overflows.
+// gc and dgc are fp64 (kda.h, "Precision"): every exp of gc is decay(), the
+// difference in double and expf in float; dgc sums float terms in double.
 // kd, qd and kr are not stored: like the CPU loops, each use recomputes its exp.
 
 #include <cuda_runtime.h>
@@ -65,6 +67,10 @@ __device__ __forceinline__ void gate_bwd(float x, float aexp, int gate_id, float
   }
 }
 
+// exp(g1 - g0) for two values of the gate cumsum gc (fp64, see kda.h): the
+// difference is taken in double, the exponential in float.
+__device__ __forceinline__ float decay(double g1, double g0 = 0.0) { return expf((float)(g1 - g0)); }
+
 // Offset of token (b, t, h) in a [B, T, H, *] tensor, in units of rows; multiply by
 // the row length (K, V or 1). Only ever called with t < T.
 __device__ __forceinline__ size_t tok(const KdaFwdParams& p, int b, int t, int h) {
@@ -103,8 +109,8 @@ __device__ __forceinline__ void pre_chunk(const KdaFwdParams& p, int bh, int n) 
     const size_t r = wrow(p, bh, t);
     float* qn = p.qn + r * K;  // [K]
     float* kn = p.kn + r * K;  // [K]
-    float* gc = p.gc + r * K;  // [K]
-    const float* gprev = c > 0 ? gc - K : nullptr;  // previous token of the chunk
+    double* gc = p.gc + r * K;  // [K]
+    const double* gprev = c > 0 ? gc - K : nullptr;  // previous token of the chunk
     if (c < len) {
       const size_t x = tok(p, b, t, h);
       const float* qi = p.q + x * K;
@@ -123,7 +129,7 @@ __device__ __forceinline__ void pre_chunk(const KdaFwdParams& p, int bh, int n) 
         qn[d] = qi[d] * rq;
         kn[d] = ki[d] * rk;
         const float a = gate_fwd(gi[d] + dtb[d], aexp, p.gate_id, p.lower_bound);
-        gc[d] = (c > 0 ? gprev[d] : 0.f) + a;
+        gc[d] = (c > 0 ? gprev[d] : 0.0) + a;
       }
       p.beta_s[r] = sigmoid_f(p.beta[x]);
     } else {  // padded token: contributes nothing, the gate sum stays flat
@@ -148,7 +154,7 @@ __device__ __forceinline__ void wy_chunk(const KdaFwdParams& p, int bh, int n) {
   const int base = n * BT, len = chunk_len(p, n);
   const size_t r0 = wrow(p, bh, base);
   const float* kn = p.kn + r0 * K;      // [BT, K]
-  const float* gc = p.gc + r0 * K;      // [BT, K]
+  const double* gc = p.gc + r0 * K;     // [BT, K]
   const float* bs = p.beta_s + r0;      // [BT]
   float* X = p.X + wmat(p, bh, n);      // [BT, BT]
   float* Af = p.Af + wmat(p, bh, n);    // [BT, BT]
@@ -162,7 +168,7 @@ __device__ __forceinline__ void wy_chunk(const KdaFwdParams& p, int bh, int n) {
       if (i < c) {
         float inner = 0.f;
         for (int d = 0; d < K; ++d)
-          inner += kn[c * K + d] * kn[i * K + d] * expf(gc[c * K + d] - gc[i * K + d]);
+          inner += kn[c * K + d] * kn[i * K + d] * decay(gc[c * K + d], gc[i * K + d]);
         val = bs[c] * inner;
       } else if (i == c) {
         val = 1.f;
@@ -187,7 +193,7 @@ __device__ __forceinline__ void wy_chunk(const KdaFwdParams& p, int bh, int n) {
   for (int c = 0; c < BT; ++c) {
     for (int d = 0; d < K; ++d) {
       float acc = 0.f;
-      for (int i = 0; i <= c; ++i) acc += Af[c * BT + i] * kn[i * K + d] * expf(gc[i * K + d]);
+      for (int i = 0; i <= c; ++i) acc += Af[c * BT + i] * kn[i * K + d] * decay(gc[i * K + d]);
       w[c * K + d] = acc;
     }
     const int imax = c < len ? c + 1 : len;  // real tokens i <= c
@@ -205,14 +211,14 @@ __device__ __forceinline__ void aqk_chunk(const KdaFwdParams& p, int bh, int n) 
   const size_t r0 = wrow(p, bh, n * BT);
   const float* qn = p.qn + r0 * K;   // [BT, K]
   const float* kn = p.kn + r0 * K;   // [BT, K]
-  const float* gc = p.gc + r0 * K;   // [BT, K]
+  const double* gc = p.gc + r0 * K;  // [BT, K]
   float* A = p.Aqk + wmat(p, bh, n); // [BT, BT]
   for (int c = 0; c < BT; ++c) {
     for (int j = 0; j < BT; ++j) {
       float acc = 0.f;
       if (j <= c)
         for (int d = 0; d < K; ++d)
-          acc += qn[c * K + d] * kn[j * K + d] * expf(gc[c * K + d] - gc[j * K + d]);
+          acc += qn[c * K + d] * kn[j * K + d] * decay(gc[c * K + d], gc[j * K + d]);
       A[c * BT + j] = p.scale * acc;
     }
   }
@@ -237,12 +243,12 @@ __device__ __forceinline__ void recur_head(const KdaFwdParams& p, int bh) {
     float* Snext = S0 + (n + 1) * p.state_chunk_stride;  // S_{n+1}  [K, V] (may alias S)
     const float* qn = p.qn + r0 * K;   // [BT, K]
     const float* kn = p.kn + r0 * K;   // [BT, K]
-    const float* gc = p.gc + r0 * K;   // [BT, K]
+    const double* gc = p.gc + r0 * K;  // [BT, K]
     const float* w = p.w + r0 * K;     // [BT, K]
     const float* u = p.u + r0 * V;     // [BT, V]
     float* vcorr = p.vcorr + r0 * V;   // [BT, V]
     const float* A = p.Aqk + wmat(p, bh, n);  // [BT, BT]
-    const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+    const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
 
     // 1. vcorr = u - w @ S
     for (int c = 0; c < BT; ++c)
@@ -257,17 +263,17 @@ __device__ __forceinline__ void recur_head(const KdaFwdParams& p, int bh) {
         float* orow = p.o + tok(p, b, base + c, h) * V;  // [V]
         for (int vd = 0; vd < V; ++vd) {
           float acc = 0.f;
-          for (int d = 0; d < K; ++d) acc += p.scale * qn[c * K + d] * expf(gc[c * K + d]) * S[d * V + vd];
+          for (int d = 0; d < K; ++d) acc += p.scale * qn[c * K + d] * decay(gc[c * K + d]) * S[d * V + vd];
           for (int j = 0; j <= c; ++j) acc += A[c * BT + j] * vcorr[j * V + vd];
           orow[vd] = acc;
         }
       }
     // 3. S_{n+1} = diag(exp(glast)) S + kr^T @ vcorr
     for (int d = 0; d < K; ++d) {
-      const float el = expf(glast[d]);
+      const float el = decay(glast[d]);
       for (int vd = 0; vd < V; ++vd) {
         float acc = el * S[d * V + vd];
-        for (int c = 0; c < BT; ++c) acc += kn[c * K + d] * expf(glast[d] - gc[c * K + d]) * vcorr[c * V + vd];
+        for (int c = 0; c < BT; ++c) acc += kn[c * K + d] * decay(glast[d], gc[c * K + d]) * vcorr[c * V + vd];
         Snext[d * V + vd] = acc;
       }
     }
@@ -300,11 +306,11 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
     const float* S = f.states + bh * f.state_bh_stride + n * f.state_chunk_stride;  // S_n [K, V]
     const float* qn = f.qn + r0 * K;       // [BT, K]
     const float* kn = f.kn + r0 * K;       // [BT, K]
-    const float* gc = f.gc + r0 * K;       // [BT, K]
+    const double* gc = f.gc + r0 * K;      // [BT, K]
     const float* w = f.w + r0 * K;         // [BT, K]
     const float* vcorr = f.vcorr + r0 * V; // [BT, V]
     const float* A = f.Aqk + wmat(f, bh, n);   // [BT, BT]
-    const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+    const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
     const float* dout = p.dout + tok(f, b, base, h) * V;  // row c at dout[c * H * V] (c < len)
     const size_t dstride = (size_t)f.H * V;
     float* du = p.du + r0 * V;             // [BT, V]
@@ -318,7 +324,7 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
     for (int c = 0; c < BT; ++c)
       for (int vd = 0; vd < V; ++vd) {
         float acc = 0.f;
-        for (int d = 0; d < K; ++d) acc += kn[c * K + d] * expf(glast[d] - gc[c * K + d]) * dS[d * V + vd];
+        for (int d = 0; d < K; ++d) acc += kn[c * K + d] * decay(glast[d], gc[c * K + d]) * dS[d * V + vd];
         for (int j = c; j < len; ++j) acc += A[j * BT + c] * dout[j * dstride + vd];
         du[c * V + vd] = acc;
       }
@@ -356,11 +362,11 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
       }
     // 7. dS <- diag(exp(glast)) dS + qd^T @ do - w^T @ dvcorr   (in place)
     for (int d = 0; d < K; ++d) {
-      const float el = expf(glast[d]);
+      const float el = decay(glast[d]);
       for (int vd = 0; vd < V; ++vd) {
         float acc = el * dS[d * V + vd];
         for (int c = 0; c < len; ++c)
-          acc += f.scale * qn[c * K + d] * expf(gc[c * K + d]) * dout[c * dstride + vd];
+          acc += f.scale * qn[c * K + d] * decay(gc[c * K + d]) * dout[c * dstride + vd];
         for (int c = 0; c < BT; ++c) acc -= w[c * K + d] * du[c * V + vd];
         dS[d * V + vd] = acc;
       }
@@ -389,11 +395,11 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
   const size_t r0 = wrow(f, bh, base);
   const float* qn = f.qn + r0 * K;       // [BT, K]
   const float* kn = f.kn + r0 * K;       // [BT, K]
-  const float* gc = f.gc + r0 * K;       // [BT, K]
+  const double* gc = f.gc + r0 * K;      // [BT, K]
   const float* bs = f.beta_s + r0;       // [BT]
   const float* X = f.X + wmat(f, bh, n);    // [BT, BT]
   const float* Af = f.Af + wmat(f, bh, n);  // [BT, BT]
-  const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+  const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
   const float* du = p.du + r0 * V;       // [BT, V]
   const float* dw = p.dw + r0 * K;       // [BT, K]
   const float* dqd = p.dqd + r0 * K;     // [BT, K]
@@ -404,7 +410,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
   float* tmp = p.tmp + wmat(f, bh, n);   // [BT, BT]
   float* dqs = p.dqs + r0 * K;           // [BT, K]
   float* dkn = p.dkn + r0 * K;           // [BT, K]
-  float* dgc = p.dgc + r0 * K;           // [BT, K]
+  double* dgc = p.dgc + r0 * K;          // [BT, K]
   float* dbs = p.dbeta_s + r0;           // [BT]
   const float* vrow = f.v + tok(f, b, base, h) * V;  // row i at vrow[i * H * V] (i < len)
   float* dvrow = p.dv + tok(f, b, base, h) * V;
@@ -413,7 +419,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
   for (int e = 0; e < BT * K; ++e) {
     dqs[e] = 0.f;
     dkn[e] = 0.f;
-    dgc[e] = 0.f;
+    dgc[e] = 0.0;
   }
   for (int c = 0; c < BT; ++c) dbs[c] = 0.f;
 
@@ -422,7 +428,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
     for (int i = 0; i < BT; ++i) {
       float acc = 0.f;
       if (i <= c) {
-        for (int d = 0; d < K; ++d) acc += dw[c * K + d] * kn[i * K + d] * expf(gc[i * K + d]);
+        for (int d = 0; d < K; ++d) acc += dw[c * K + d] * kn[i * K + d] * decay(gc[i * K + d]);
         if (i < len)
           for (int vd = 0; vd < V; ++vd) acc += du[c * V + vd] * vrow[i * vstride + vd];
       }
@@ -433,7 +439,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
     for (int d = 0; d < K; ++d) {
       float acc = 0.f;
       for (int c = i; c < BT; ++c) acc += Af[c * BT + i] * dw[c * K + d];
-      const float e = expf(gc[i * K + d]);
+      const float e = decay(gc[i * K + d]);
       dkn[i * K + d] += acc * e;
       dgc[i * K + d] += acc * kn[i * K + d] * e;
     }
@@ -466,11 +472,11 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
       for (int m = 0; m <= i; ++m) dL -= tmp[c * BT + m] * X[i * BT + m];
       float inner = 0.f;
       for (int d = 0; d < K; ++d)
-        inner += kn[c * K + d] * kn[i * K + d] * expf(gc[c * K + d] - gc[i * K + d]);
+        inner += kn[c * K + d] * kn[i * K + d] * decay(gc[c * K + d], gc[i * K + d]);
       dbs[c] += dL * inner;
       const float dinner = dL * bs[c];
       for (int d = 0; d < K; ++d) {
-        const float fcd = expf(gc[c * K + d] - gc[i * K + d]);
+        const float fcd = decay(gc[c * K + d], gc[i * K + d]);
         const float term = kn[c * K + d] * kn[i * K + d] * fcd;
         dkn[c * K + d] += dinner * kn[i * K + d] * fcd;
         dkn[i * K + d] += dinner * kn[c * K + d] * fcd;
@@ -483,7 +489,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
     for (int j = 0; j <= c; ++j) {
       const float gA = dAqk[c * BT + j];
       for (int d = 0; d < K; ++d) {
-        const float fcd = expf(gc[c * K + d] - gc[j * K + d]);
+        const float fcd = decay(gc[c * K + d], gc[j * K + d]);
         const float qs = f.scale * qn[c * K + d];
         const float term = qs * kn[j * K + d] * fcd;
         dqs[c * K + d] += gA * kn[j * K + d] * fcd;
@@ -495,21 +501,21 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
   // 8. qd = qs * exp(gc);  kr = kn * exp(glast - gc)
   for (int c = 0; c < BT; ++c)
     for (int d = 0; d < K; ++d) {
-      const float e = expf(gc[c * K + d]);
+      const float e = decay(gc[c * K + d]);
       dqs[c * K + d] += dqd[c * K + d] * e;
       dgc[c * K + d] += dqd[c * K + d] * f.scale * qn[c * K + d] * e;
-      const float fr = expf(glast[d] - gc[c * K + d]);
+      const float fr = decay(glast[d], gc[c * K + d]);
       const float kr = kn[c * K + d] * fr;
       dkn[c * K + d] += dkr[c * K + d] * fr;
       dgc[c * K + d] -= dkr[c * K + d] * kr;
       dgc[(BT - 1) * K + d] += dkr[c * K + d] * kr;
     }
   // 9. EL = exp(glast)
-  for (int d = 0; d < K; ++d) dgc[(BT - 1) * K + d] += dEL[d] * expf(glast[d]);
+  for (int d = 0; d < K; ++d) dgc[(BT - 1) * K + d] += dEL[d] * decay(glast[d]);
 }
 
 // Adjoint of the pre-stage of chunk n, real tokens only:
-//   gc = cumsum(a) in the chunk:  da = reverse cumsum of dgc (written over dgc)
+//   gc = cumsum(a) in the chunk:  da = reverse cumsum of dgc (written over dgc, in double)
 //   gate:     dg = da * da/dx (x = g + dt_bias),  dA_log term = sum_d da * da/dA_log
 //   beta:     dbeta = dbeta_s * s * (1 - s)
 //   l2norm:   dq = rq * (dqn - (dqn . qn) qn),  dqn = scale * dqs;  same for k
@@ -522,13 +528,13 @@ __device__ __forceinline__ void bwd_pre_chunk(const KdaBwdParams& p, int bh, int
   const float* kn = f.kn + r0 * K;    // [BT, K]
   const float* dqs = p.dqs + r0 * K;  // [BT, K]
   const float* dkn = p.dkn + r0 * K;  // [BT, K]
-  float* dgc = p.dgc + r0 * K;        // [BT, K] -> da
+  double* dgc = p.dgc + r0 * K;       // [BT, K] -> da
   const float aexp = expf(f.A_log[h]);
   const float* dtb = f.dt_bias + (size_t)h * K;  // [K]
 
   // reverse cumsum over the whole (padded) chunk: glast lives in its last row
   for (int d = 0; d < K; ++d) {
-    float acc = 0.f;
+    double acc = 0.0;
     for (int c = BT - 1; c >= 0; --c) {
       acc += dgc[c * K + d];
       dgc[c * K + d] = acc;
@@ -539,15 +545,15 @@ __device__ __forceinline__ void bwd_pre_chunk(const KdaBwdParams& p, int bh, int
     const size_t r = r0 + c;
     const float* gi = f.g + x * K;
     float* dgi = p.dg + x * K;
-    float dalog = 0.f;
+    double dalog = 0.0;  // summed over K in double
     for (int d = 0; d < K; ++d) {
       float da_dx, da_dalog;
       gate_bwd(gi[d] + dtb[d], aexp, f.gate_id, f.lower_bound, &da_dx, &da_dalog);
-      const float da = dgc[c * K + d];
+      const float da = (float)dgc[c * K + d];  // da to float at its use
       dgi[d] = da * da_dx;
       dalog += da * da_dalog;
     }
-    p.dAlog_part[x] = dalog;
+    p.dAlog_part[x] = (float)dalog;
     const float s = f.beta_s[r];
     p.dbeta[x] = p.dbeta_s[r] * s * (1.0f - s);
     float sq = 0.f, sk = 0.f;

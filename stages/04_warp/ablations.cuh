@@ -113,12 +113,12 @@ __device__ __forceinline__ void pre_chunk_thread(const KdaFwdParams& p, int bh, 
     const size_t r = wrow(p, bh, t);
     float* qn = p.qn + r * K;  // [K]
     float* kn = p.kn + r * K;  // [K]
-    float* gc = p.gc + r * K;  // [K]
+    double* gc = p.gc + r * K;  // [K]
 #ifndef KDA_NO_PRECOMPUTE
     float* kd = p.kd + r * K;  // [K]
     float* qd = p.qd + r * K;  // [K]
 #endif
-    const float* gprev = c > 0 ? gc - K : nullptr;  // previous token of the chunk
+    const double* gprev = c > 0 ? gc - K : nullptr;  // previous token of the chunk
     if (c < len) {
       const size_t x = tok(p, b, t, h);
       const float* qi = p.q + x * K;
@@ -137,9 +137,9 @@ __device__ __forceinline__ void pre_chunk_thread(const KdaFwdParams& p, int bh, 
         qn[d] = qi[d] * rq;
         kn[d] = ki[d] * rk;
         const float a = gate_fwd(gi[d] + dtb[d], aexp, p.gate_id, p.lower_bound);
-        gc[d] = (c > 0 ? gprev[d] : 0.f) + a;
+        gc[d] = (c > 0 ? gprev[d] : 0.0) + a;
 #ifndef KDA_NO_PRECOMPUTE
-        const float e = expf(gc[d]);
+        const float e = decay(gc[d]);
         kd[d] = kn[d] * e;
         qd[d] = p.scale * qn[d] * e;
 #endif
@@ -164,13 +164,13 @@ __device__ __forceinline__ void pre_chunk_thread(const KdaFwdParams& p, int bh, 
   // glast = gc of the chunk's last row:  el = exp(glast),  kr = kn * exp(glast - gc)
   const size_t r0 = wrow(p, bh, n * p.BT);
   const float* kn = p.kn + r0 * K;  // [BT, K]
-  const float* gc = p.gc + r0 * K;  // [BT, K]
-  const float* glast = gc + (size_t)(p.BT - 1) * K;  // [K]
+  const double* gc = p.gc + r0 * K;  // [BT, K]
+  const double* glast = gc + (size_t)(p.BT - 1) * K;  // [K]
   float* kr = p.kr + r0 * K;          // [BT, K]
   float* el = p.el + wvec(p, bh, n);  // [K]
-  for (int d = 0; d < K; ++d) el[d] = expf(glast[d]);
+  for (int d = 0; d < K; ++d) el[d] = decay(glast[d]);
   for (int c = 0; c < p.BT; ++c)
-    for (int d = 0; d < K; ++d) kr[c * K + d] = kn[c * K + d] * expf(glast[d] - gc[c * K + d]);
+    for (int d = 0; d < K; ++d) kr[c * K + d] = kn[c * K + d] * decay(glast[d], gc[c * K + d]);
 #endif
 }
 
@@ -183,7 +183,7 @@ __device__ __forceinline__ void wy_chunk_thread(const KdaFwdParams& p, int bh, i
   const int base = n * BT, len = chunk_len(p, n);
   const size_t r0 = wrow(p, bh, base);
   const float* kn = p.kn + r0 * K;      // [BT, K]
-  const float* gc = p.gc + r0 * K;      // [BT, K]
+  const double* gc = p.gc + r0 * K;     // [BT, K]
 #ifndef KDA_NO_PRECOMPUTE
   const float* kd = p.kd + r0 * K;      // [BT, K]
 #endif
@@ -200,7 +200,7 @@ __device__ __forceinline__ void wy_chunk_thread(const KdaFwdParams& p, int bh, i
       if (i < c) {
         float inner = 0.f;
         for (int d = 0; d < K; ++d)
-          inner += kn[c * K + d] * kn[i * K + d] * expf(gc[c * K + d] - gc[i * K + d]);
+          inner += kn[c * K + d] * kn[i * K + d] * decay(gc[c * K + d], gc[i * K + d]);
         val = bs[c] * inner;
       } else if (i == c) {
         val = 1.f;
@@ -228,7 +228,7 @@ __device__ __forceinline__ void wy_chunk_thread(const KdaFwdParams& p, int bh, i
 #ifndef KDA_NO_PRECOMPUTE
       for (int i = 0; i <= c; ++i) acc += Af[c * BT + i] * kd[i * K + d];
 #else
-      for (int i = 0; i <= c; ++i) acc += Af[c * BT + i] * kn[i * K + d] * expf(gc[i * K + d]);
+      for (int i = 0; i <= c; ++i) acc += Af[c * BT + i] * kn[i * K + d] * decay(gc[i * K + d]);
 #endif
       w[c * K + d] = acc;
     }
@@ -248,14 +248,14 @@ __device__ __forceinline__ void aqk_chunk_thread(const KdaFwdParams& p, int bh, 
   const size_t r0 = wrow(p, bh, n * BT);
   const float* qn = p.qn + r0 * K;   // [BT, K]
   const float* kn = p.kn + r0 * K;   // [BT, K]
-  const float* gc = p.gc + r0 * K;   // [BT, K]
+  const double* gc = p.gc + r0 * K;  // [BT, K]
   float* A = p.Aqk + wmat(p, bh, n); // [BT, BT]
   for (int c = 0; c < BT; ++c) {
     for (int j = 0; j < BT; ++j) {
       float acc = 0.f;
       if (j <= c)
         for (int d = 0; d < K; ++d)
-          acc += qn[c * K + d] * kn[j * K + d] * expf(gc[c * K + d] - gc[j * K + d]);
+          acc += qn[c * K + d] * kn[j * K + d] * decay(gc[c * K + d], gc[j * K + d]);
       A[c * BT + j] = p.scale * acc;
     }
   }
@@ -279,11 +279,11 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
   const size_t r0 = wrow(f, bh, base);
   const float* qn = f.qn + r0 * K;       // [BT, K]
   const float* kn = f.kn + r0 * K;       // [BT, K]
-  const float* gc = f.gc + r0 * K;       // [BT, K]
+  const double* gc = f.gc + r0 * K;      // [BT, K]
   const float* bs = f.beta_s + r0;       // [BT]
   const float* X = f.X + wmat(f, bh, n);    // [BT, BT]
   const float* Af = f.Af + wmat(f, bh, n);  // [BT, BT]
-  const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+  const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
   const float* du = p.du + r0 * V;       // [BT, V]
   const float* dw = p.dw + r0 * K;       // [BT, K]
   const float* dqd = p.dqd + r0 * K;     // [BT, K]
@@ -294,7 +294,7 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
   float* tmp = p.tmp + wmat(f, bh, n);   // [BT, BT]
   float* dqs = p.dqs + r0 * K;           // [BT, K]
   float* dkn = p.dkn + r0 * K;           // [BT, K]
-  float* dgc = p.dgc + r0 * K;           // [BT, K]
+  double* dgc = p.dgc + r0 * K;          // [BT, K]
   float* dbs = p.dbeta_s + r0;           // [BT]
   const float* vrow = f.v + tok(f, b, base, h) * V;  // row i at vrow[i * H * V] (i < len)
   float* dvrow = p.dv + tok(f, b, base, h) * V;
@@ -303,7 +303,7 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
   for (int e = 0; e < BT * K; ++e) {
     dqs[e] = 0.f;
     dkn[e] = 0.f;
-    dgc[e] = 0.f;
+    dgc[e] = 0.0;
   }
   for (int c = 0; c < BT; ++c) dbs[c] = 0.f;
 
@@ -312,7 +312,7 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
     for (int i = 0; i < BT; ++i) {
       float acc = 0.f;
       if (i <= c) {
-        for (int d = 0; d < K; ++d) acc += dw[c * K + d] * kn[i * K + d] * expf(gc[i * K + d]);
+        for (int d = 0; d < K; ++d) acc += dw[c * K + d] * kn[i * K + d] * decay(gc[i * K + d]);
         if (i < len)
           for (int vd = 0; vd < V; ++vd) acc += du[c * V + vd] * vrow[i * vstride + vd];
       }
@@ -323,7 +323,7 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
     for (int d = 0; d < K; ++d) {
       float acc = 0.f;
       for (int c = i; c < BT; ++c) acc += Af[c * BT + i] * dw[c * K + d];
-      const float e = expf(gc[i * K + d]);
+      const float e = decay(gc[i * K + d]);
       dkn[i * K + d] += acc * e;
       dgc[i * K + d] += acc * kn[i * K + d] * e;
     }
@@ -356,11 +356,11 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
       for (int m = 0; m <= i; ++m) dL -= tmp[c * BT + m] * X[i * BT + m];
       float inner = 0.f;
       for (int d = 0; d < K; ++d)
-        inner += kn[c * K + d] * kn[i * K + d] * expf(gc[c * K + d] - gc[i * K + d]);
+        inner += kn[c * K + d] * kn[i * K + d] * decay(gc[c * K + d], gc[i * K + d]);
       dbs[c] += dL * inner;
       const float dinner = dL * bs[c];
       for (int d = 0; d < K; ++d) {
-        const float fcd = expf(gc[c * K + d] - gc[i * K + d]);
+        const float fcd = decay(gc[c * K + d], gc[i * K + d]);
         const float term = kn[c * K + d] * kn[i * K + d] * fcd;
         dkn[c * K + d] += dinner * kn[i * K + d] * fcd;
         dkn[i * K + d] += dinner * kn[c * K + d] * fcd;
@@ -373,7 +373,7 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
     for (int j = 0; j <= c; ++j) {
       const float gA = dAqk[c * BT + j];
       for (int d = 0; d < K; ++d) {
-        const float fcd = expf(gc[c * K + d] - gc[j * K + d]);
+        const float fcd = decay(gc[c * K + d], gc[j * K + d]);
         const float qs = f.scale * qn[c * K + d];
         const float term = qs * kn[j * K + d] * fcd;
         dqs[c * K + d] += gA * kn[j * K + d] * fcd;
@@ -385,21 +385,21 @@ __device__ __forceinline__ void bwd_wy_chunk_thread(const KdaBwdParams& p, int b
   // 8. qd = qs * exp(gc);  kr = kn * exp(glast - gc)
   for (int c = 0; c < BT; ++c)
     for (int d = 0; d < K; ++d) {
-      const float e = expf(gc[c * K + d]);
+      const float e = decay(gc[c * K + d]);
       dqs[c * K + d] += dqd[c * K + d] * e;
       dgc[c * K + d] += dqd[c * K + d] * f.scale * qn[c * K + d] * e;
-      const float fr = expf(glast[d] - gc[c * K + d]);
+      const float fr = decay(glast[d], gc[c * K + d]);
       const float kr = kn[c * K + d] * fr;
       dkn[c * K + d] += dkr[c * K + d] * fr;
       dgc[c * K + d] -= dkr[c * K + d] * kr;
       dgc[(BT - 1) * K + d] += dkr[c * K + d] * kr;
     }
   // 9. EL = exp(glast)
-  for (int d = 0; d < K; ++d) dgc[(BT - 1) * K + d] += dEL[d] * expf(glast[d]);
+  for (int d = 0; d < K; ++d) dgc[(BT - 1) * K + d] += dEL[d] * decay(glast[d]);
 }
 
 // Adjoint of the pre-stage of chunk n, one thread (stage 03's bwd_pre_chunk), real tokens only:
-//   gc = cumsum(a) in the chunk:  da = reverse cumsum of dgc (written over dgc)
+//   gc = cumsum(a) in the chunk:  da = reverse cumsum of dgc (written over dgc, in double)
 //   gate:     dg = da * da/dx (x = g + dt_bias),  dA_log term = sum_d da * da/dA_log
 //   beta:     dbeta = dbeta_s * s * (1 - s)
 //   l2norm:   dq = rq * (dqn - (dqn . qn) qn),  dqn = scale * dqs;  same for k
@@ -412,13 +412,13 @@ __device__ __forceinline__ void bwd_pre_chunk_thread(const KdaBwdParams& p, int 
   const float* kn = f.kn + r0 * K;    // [BT, K]
   const float* dqs = p.dqs + r0 * K;  // [BT, K]
   const float* dkn = p.dkn + r0 * K;  // [BT, K]
-  float* dgc = p.dgc + r0 * K;        // [BT, K] -> da
+  double* dgc = p.dgc + r0 * K;       // [BT, K] -> da
   const float aexp = expf(f.A_log[h]);
   const float* dtb = f.dt_bias + (size_t)h * K;  // [K]
 
   // reverse cumsum over the whole (padded) chunk: glast lives in its last row
   for (int d = 0; d < K; ++d) {
-    float acc = 0.f;
+    double acc = 0.0;
     for (int c = BT - 1; c >= 0; --c) {
       acc += dgc[c * K + d];
       dgc[c * K + d] = acc;
@@ -429,15 +429,15 @@ __device__ __forceinline__ void bwd_pre_chunk_thread(const KdaBwdParams& p, int 
     const size_t r = r0 + c;
     const float* gi = f.g + x * K;
     float* dgi = p.dg + x * K;
-    float dalog = 0.f;
+    double dalog = 0.0;  // summed over K in double
     for (int d = 0; d < K; ++d) {
       float da_dx, da_dalog;
       gate_bwd(gi[d] + dtb[d], aexp, f.gate_id, f.lower_bound, &da_dx, &da_dalog);
-      const float da = dgc[c * K + d];
+      const float da = (float)dgc[c * K + d];  // da to float at its use
       dgi[d] = da * da_dx;
       dalog += da * da_dalog;
     }
-    p.dAlog_part[x] = dalog;
+    p.dAlog_part[x] = (float)dalog;
     const float s = f.beta_s[r];
     p.dbeta[x] = p.dbeta_s[r] * s * (1.0f - s);
     float sq = 0.f, sk = 0.f;
@@ -566,8 +566,8 @@ __device__ __forceinline__ void recur_head(const KdaFwdParams& p, int bh) {
 #else
     const float* qn = p.qn + r0 * K;   // [BT, K]
     const float* kn = p.kn + r0 * K;   // [BT, K]
-    const float* gc = p.gc + r0 * K;   // [BT, K]
-    const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+    const double* gc = p.gc + r0 * K;  // [BT, K]
+    const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
 #endif
     const float* u = p.u + r0 * V;     // [BT, V]
     float* vcorr = p.vcorr + r0 * V;   // [BT, V]
@@ -589,7 +589,7 @@ __device__ __forceinline__ void recur_head(const KdaFwdParams& p, int bh) {
 #ifndef KDA_NO_PRECOMPUTE
           for (int d = 0; d < K; ++d) acc += qd[c * K + d] * S[d * V + vd];
 #else
-          for (int d = 0; d < K; ++d) acc += p.scale * qn[c * K + d] * expf(gc[c * K + d]) * S[d * V + vd];
+          for (int d = 0; d < K; ++d) acc += p.scale * qn[c * K + d] * decay(gc[c * K + d]) * S[d * V + vd];
 #endif
           for (int j = 0; j <= c; ++j) acc += A[c * BT + j] * vcorr[j * V + vd];
           orow[vd] = acc;
@@ -600,14 +600,14 @@ __device__ __forceinline__ void recur_head(const KdaFwdParams& p, int bh) {
 #ifndef KDA_NO_PRECOMPUTE
       const float eld = el[d];
 #else
-      const float eld = expf(glast[d]);
+      const float eld = decay(glast[d]);
 #endif
       for (int vd = 0; vd < V; ++vd) {
         float acc = eld * S[d * V + vd];
 #ifndef KDA_NO_PRECOMPUTE
         for (int c = 0; c < BT; ++c) acc += kr[c * K + d] * vcorr[c * V + vd];
 #else
-        for (int c = 0; c < BT; ++c) acc += kn[c * K + d] * expf(glast[d] - gc[c * K + d]) * vcorr[c * V + vd];
+        for (int c = 0; c < BT; ++c) acc += kn[c * K + d] * decay(glast[d], gc[c * K + d]) * vcorr[c * V + vd];
 #endif
         Snext[d * V + vd] = acc;
       }
@@ -653,8 +653,8 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
 #else
     const float* qn = f.qn + r0 * K;    // [BT, K]
     const float* kn = f.kn + r0 * K;    // [BT, K]
-    const float* gc = f.gc + r0 * K;    // [BT, K]
-    const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+    const double* gc = f.gc + r0 * K;   // [BT, K]
+    const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
 #endif
     const float* A = f.Aqk + wmat(f, bh, n);  // [BT, BT]
     float* du = p.du + r0 * V;          // [BT, V]
@@ -668,7 +668,7 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
 #ifndef KDA_NO_PRECOMPUTE
         for (int d = 0; d < K; ++d) acc += kr[c * K + d] * dSn1[d * V + vd];
 #else
-        for (int d = 0; d < K; ++d) acc += kn[c * K + d] * expf(glast[d] - gc[c * K + d]) * dSn1[d * V + vd];
+        for (int d = 0; d < K; ++d) acc += kn[c * K + d] * decay(glast[d], gc[c * K + d]) * dSn1[d * V + vd];
 #endif
         for (int j = c; j < len; ++j) acc += A[j * BT + c] * dout[j * dstride + vd];
         du[c * V + vd] = acc;
@@ -682,7 +682,7 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
 #ifndef KDA_NO_PRECOMPUTE
       const float eld = el[d];
 #else
-      const float eld = expf(glast[d]);
+      const float eld = decay(glast[d]);
 #endif
       for (int vd = 0; vd < V; ++vd) {
         float acc = eld * dSn1[d * V + vd];
@@ -691,7 +691,7 @@ __device__ __forceinline__ void bwd_recur_head(const KdaBwdParams& p, int bh) {
 #ifndef KDA_NO_PRECOMPUTE
           acc += qd[c * K + d] * doc - w[c * K + d] * du[c * V + vd];
 #else
-          acc += f.scale * qn[c * K + d] * expf(gc[c * K + d]) * doc - w[c * K + d] * du[c * V + vd];
+          acc += f.scale * qn[c * K + d] * decay(gc[c * K + d]) * doc - w[c * K + d] * du[c * V + vd];
 #endif
         }
         dSn[d * V + vd] = acc;
@@ -737,30 +737,30 @@ size_t recur_smem_bytes(int /*rows*/, int /*BT*/, int /*threads*/) { return 0; }
 #ifndef KDA_NO_WARP_CHUNK  // called from kda.cu's warp-per-chunk functions
 // wy_chunk, w = Af @ kd: the term a * kd[e] (a = Af[c, i], e = i * K + d) with
 // kd = kn * exp(gc) evaluated here.
-__device__ __forceinline__ float w_term_recompute(float a, const float* kn, const float* gc, int e) {
-  return a * kn[e] * expf(gc[e]);
+__device__ __forceinline__ float w_term_recompute(float a, const float* kn, const double* gc, int e) {
+  return a * kn[e] * decay(gc[e]);
 }
 
 // Part C of kda.cu's bwd_wy_chunk (dAf += dw @ kd^T, dkd, and the adjoints of kd,
 // qd, kr, EL) with kd, qd, kr and EL = exp(glast) evaluated where they are used.
 __device__ __forceinline__ void bwd_wy_gated_recompute(const KdaFwdParams& f, int lane, int K, int BT,
-                                                       const float* qn, const float* kn, const float* gc,
+                                                       const float* qn, const float* kn, const double* gc,
                                                        const float* Af, const float* dw, const float* dqd,
                                                        const float* dkr, const float* dEL, float* dA,
-                                                       float* dqs, float* dkn, float* dgc) {
-  float gl[kSlots], dgl[kSlots];  // glast and its gradient, lane's columns
+                                                       float* dqs, float* dkn, double* dgc) {
+  double gl[kSlots], dgl[kSlots];  // glast and its gradient, lane's columns (fp64)
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
     const int d = lane + 32 * s;
-    gl[s] = d < K ? gc[(BT - 1) * K + d] : 0.f;
-    dgl[s] = d < K ? dEL[d] * expf(gl[s]) : 0.f;  // EL = exp(glast)
+    gl[s] = d < K ? gc[(BT - 1) * K + d] : 0.0;
+    dgl[s] = d < K ? dEL[d] * decay(gl[s]) : 0.0;  // EL = exp(glast)
   }
   for (int i = 0; i < BT; ++i) {
     float kdi[kSlots], dkd[kSlots];
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int d = lane + 32 * s;
-      kdi[s] = d < K ? kn[i * K + d] * expf(gc[i * K + d]) : 0.f;
+      kdi[s] = d < K ? kn[i * K + d] * decay(gc[i * K + d]) : 0.f;
       dkd[s] = 0.f;
     }
     for (int c = i; c < BT; ++c) {
@@ -784,12 +784,12 @@ __device__ __forceinline__ void bwd_wy_gated_recompute(const KdaFwdParams& f, in
       const int d = lane + 32 * s;
       if (d < K) {
         const int e = i * K + d;
-        const float ex = expf(gc[e]), fr = expf(gl[s] - gc[e]);
+        const float ex = decay(gc[e]), fr = decay(gl[s], gc[e]);
         const float g_qd = dqd[e], g_kr = dkr[e];
         const float kde = kn[e] * ex, qde = f.scale * qn[e] * ex, kre = kn[e] * fr;
         dqs[e] = g_qd * ex;
         dkn[e] = dkd[s] * ex + g_kr * fr;
-        dgc[e] = dkd[s] * kde + g_qd * qde - g_kr * kre;
+        dgc[e] = (double)(dkd[s] * kde) + (double)(g_qd * qde) - (double)(g_kr * kre);
         dgl[s] += g_kr * kre;
       }
     }
@@ -822,8 +822,8 @@ __device__ __forceinline__ void recur_column_recompute(const KdaFwdParams& p, in
     const float* w = p.w + r0 * K;      // [BT, K]
     const float* qn = p.qn + r0 * K;    // [BT, K]
     const float* kn = p.kn + r0 * K;    // [BT, K]
-    const float* gc = p.gc + r0 * K;    // [BT, K]
-    const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+    const double* gc = p.gc + r0 * K;   // [BT, K]
+    const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
     const float* u = p.u + r0 * V;      // [BT, V]
     float* vcorr = p.vcorr + r0 * V;    // [BT, V]
     const float* A = p.Aqk + wmat(p, bh, n);   // [BT, BT]
@@ -837,7 +837,7 @@ __device__ __forceinline__ void recur_column_recompute(const KdaFwdParams& p, in
         for (int d = 0; d < K; ++d) {
           const float sv = S[d * V + vd];
           acc_v -= wc[d] * sv;
-          acc_o += p.scale * qn[c * K + d] * expf(gc[c * K + d]) * sv;
+          acc_o += p.scale * qn[c * K + d] * decay(gc[c * K + d]) * sv;
         }
       } else {
         for (int d = 0; d < K; ++d) acc_v -= wc[d] * S[d * V + vd];
@@ -852,9 +852,9 @@ __device__ __forceinline__ void recur_column_recompute(const KdaFwdParams& p, in
     }
     for (int d = 0; d < K; ++d) {
       // stage 03: exp(glast) and kr = kn * exp(glast - gc) evaluated here, per thread
-      const float gl = glast[d];
-      float acc = expf(gl) * S[d * V + vd];
-      for (int c = 0; c < BT; ++c) acc += kn[c * K + d] * expf(gl - gc[c * K + d]) * vcs[c * nthr];
+      const double gl = glast[d];
+      float acc = decay(gl) * S[d * V + vd];
+      for (int c = 0; c < BT; ++c) acc += kn[c * K + d] * decay(gl, gc[c * K + d]) * vcs[c * nthr];
       Snext[d * V + vd] = acc;
     }
   }
@@ -891,8 +891,8 @@ __device__ __forceinline__ void bwd_recur_column_recompute(const KdaBwdParams& p
     const float* w = f.w + r0 * K;      // [BT, K]
     const float* qn = f.qn + r0 * K;    // [BT, K]
     const float* kn = f.kn + r0 * K;    // [BT, K]
-    const float* gc = f.gc + r0 * K;    // [BT, K]
-    const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+    const double* gc = f.gc + r0 * K;   // [BT, K]
+    const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
     const float* A = f.Aqk + wmat(f, bh, n);  // [BT, BT]
     float* du = p.du + r0 * V;          // [BT, V]
     const float* dout = p.dout + tok(f, b, base, h) * V;  // row c at dout[c * H * V] (c < len)
@@ -901,17 +901,17 @@ __device__ __forceinline__ void bwd_recur_column_recompute(const KdaBwdParams& p
     for (int c = 0; c < BT; ++c) dos[c * nthr] = c < len ? dout[c * dstride + vd] : 0.f;
     for (int c = 0; c < BT; ++c) {
       float acc = 0.f;  // stage 03: kr = kn * exp(glast - gc) evaluated here, per thread
-      for (int d = 0; d < K; ++d) acc += kn[c * K + d] * expf(glast[d] - gc[c * K + d]) * dSn1[d * V + vd];
+      for (int d = 0; d < K; ++d) acc += kn[c * K + d] * decay(glast[d], gc[c * K + d]) * dSn1[d * V + vd];
       for (int j = c; j < BT; ++j) acc += A[j * BT + c] * dos[j * nthr];
       dus[c * nthr] = acc;
       du[c * V + vd] = acc;
     }
     for (int d = 0; d < K; ++d) {
       // stage 03: exp(glast) and qd = scale * qn * exp(gc) evaluated here, per thread
-      const float gl = glast[d];
-      float acc = expf(gl) * dSn1[d * V + vd];
+      const double gl = glast[d];
+      float acc = decay(gl) * dSn1[d * V + vd];
       for (int c = 0; c < BT; ++c)
-        acc += f.scale * qn[c * K + d] * expf(gc[c * K + d]) * dos[c * nthr] - w[c * K + d] * dus[c * nthr];
+        acc += f.scale * qn[c * K + d] * decay(gc[c * K + d]) * dos[c * nthr] - w[c * K + d] * dus[c * nthr];
       dSn[d * V + vd] = acc;
     }
   }
@@ -971,8 +971,8 @@ __device__ __forceinline__ void bwd_recur_block(const KdaBwdParams& p, int bh,
       const float* kr = f.kr + r0 * K;    // [BT, K]
 #else
       const float* kn = f.kn + r0 * K;    // [BT, K]
-      const float* gc = f.gc + r0 * K;    // [BT, K]
-      const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+      const double* gc = f.gc + r0 * K;   // [BT, K]
+      const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
 #endif
       float* du = p.du + r0 * V;          // [BT, V]
       const float* dout = p.dout + tok(f, b, base, h) * V;  // row c at dout[c * H * V] (c < len)
@@ -983,7 +983,7 @@ __device__ __forceinline__ void bwd_recur_block(const KdaBwdParams& p, int bh,
 #ifndef KDA_NO_PRECOMPUTE
         for (int d = 0; d < K; ++d) acc += kr[c * K + d] * dS[d * V + vd];
 #else
-        for (int d = 0; d < K; ++d) acc += kn[c * K + d] * expf(glast[d] - gc[c * K + d]) * dS[d * V + vd];
+        for (int d = 0; d < K; ++d) acc += kn[c * K + d] * decay(glast[d], gc[c * K + d]) * dS[d * V + vd];
 #endif
         for (int j = c; j < BT; ++j) acc += A[j * BT + c] * dos[j * nthr];
         dus[c * nthr] = acc;
@@ -1005,13 +1005,13 @@ __device__ __forceinline__ void bwd_recur_block(const KdaBwdParams& p, int bh,
       }
 #else
       const float* qn = f.qn + r0 * K;    // [BT, K]
-      const float* gc = f.gc + r0 * K;    // [BT, K]
-      const float* glast = gc + (size_t)(BT - 1) * K;  // [K]
+      const double* gc = f.gc + r0 * K;   // [BT, K]
+      const double* glast = gc + (size_t)(BT - 1) * K;  // [K]
       for (int d = 0; d < K; ++d) {
-        const float gl = glast[d];
-        float acc = expf(gl) * dS[d * V + vd];
+        const double gl = glast[d];
+        float acc = decay(gl) * dS[d * V + vd];
         for (int c = 0; c < BT; ++c)
-          acc += f.scale * qn[c * K + d] * expf(gc[c * K + d]) * dos[c * nthr] - w[c * K + d] * dus[c * nthr];
+          acc += f.scale * qn[c * K + d] * decay(gc[c * K + d]) * dos[c * nthr] - w[c * K + d] * dus[c * nthr];
         dS[d * V + vd] = acc;
       }
 #endif

@@ -105,6 +105,7 @@ long long* prof_ptr(const OptTensor& prof, const torch::Tensor& q, const Sizes& 
 
 float* fptr(torch::Tensor& t) { return t.data_ptr<float>(); }
 const float* cptr(const torch::Tensor& t) { return t.data_ptr<float>(); }
+double* dptr(torch::Tensor& t) { return t.data_ptr<double>(); }  // gc, dgc: fp64 (kda.h)
 
 // The forward workspace ([BH, Tp, *], [BH, NT, K] and [BH, NT, BT, BT], see kda.h).
 struct FwdWork {
@@ -113,7 +114,7 @@ struct FwdWork {
     const int64_t BH = s.B * s.H;
     qn = torch::empty({BH, s.Tp, s.K}, o);
     kn = torch::empty({BH, s.Tp, s.K}, o);
-    gc = torch::empty({BH, s.Tp, s.K}, o);
+    gc = torch::empty({BH, s.Tp, s.K}, o.dtype(torch::kFloat64));
     kd = torch::empty({BH, s.Tp, s.K}, o);
     qd = torch::empty({BH, s.Tp, s.K}, o);
     kr = torch::empty({BH, s.Tp, s.K}, o);
@@ -156,7 +157,7 @@ KdaFwdParams fwd_params(const Sizes& s, const torch::Tensor& q, const torch::Ten
   p.lower_bound = (float)lower_bound;
   p.qn = fptr(ws.qn);
   p.kn = fptr(ws.kn);
-  p.gc = fptr(ws.gc);
+  p.gc = dptr(ws.gc);
   p.kd = fptr(ws.kd);
   p.qd = fptr(ws.qd);
   p.kr = fptr(ws.kr);
@@ -258,7 +259,7 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   torch::Tensor tmp = torch::empty({BH, s.NT, s.BT, s.BT}, opts);
   torch::Tensor dqs = torch::empty({BH, s.Tp, s.K}, opts);
   torch::Tensor dkn = torch::empty({BH, s.Tp, s.K}, opts);
-  torch::Tensor dgc = torch::empty({BH, s.Tp, s.K}, opts);
+  torch::Tensor dgc = torch::empty({BH, s.Tp, s.K}, opts.dtype(torch::kFloat64));
   torch::Tensor dbeta_s = torch::empty({BH, s.Tp}, opts);
   torch::Tensor dAlog_part = torch::empty({s.B, s.T, s.H}, opts);
 
@@ -275,7 +276,7 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.tmp = fptr(tmp);
   p.dqs = fptr(dqs);
   p.dkn = fptr(dkn);
-  p.dgc = fptr(dgc);
+  p.dgc = dptr(dgc);
   p.dbeta_s = fptr(dbeta_s);
   p.dq = fptr(dq);
   p.dk = fptr(dk);

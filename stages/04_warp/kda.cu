@@ -45,6 +45,8 @@
 //   vcorr = u - w @ S;   o = qd @ S + Aqk @ vcorr;   S <- diag(exp(glast)) S + kr^T @ vcorr
 // Products like kd @ ki^T are evaluated as sum_d kn[c,d] kn[i,d] exp(gc[c,d] - gc[i,d])
 // with c >= i: the exponent is <= 0 (the gate is negative), so nothing overflows.
+// gc and dgc are fp64 (kda.h, "Precision"): every exp of gc is decay(), the
+// difference in double and expf in float; dgc sums float terms in double.
 // kd, qd, kr and exp(glast) are computed once by kda_pre (new in this stage) so
 // that the V threads of the recurrence do not each re-evaluate the same exp().
 //
@@ -66,6 +68,15 @@
 #include "kda_cuda_check.h"
 #include "kda_device.cuh"  // sigmoid_f, softplus_f, warp_sum
 #include "kda_profile.cuh"
+
+// warp_sum (kda_device.cuh) of a double, for the dA_log term summed in double: the
+// same butterfly on a double. Outside the anonymous namespace, so that it overloads
+// the float warp_sum instead of hiding it.
+__device__ __forceinline__ double warp_sum(double x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
 
 namespace {
 
@@ -114,6 +125,10 @@ __device__ __forceinline__ void gate_bwd(float x, float aexp, int gate_id, float
     *da_dalog = t * x;
   }
 }
+
+// exp(g1 - g0) for two values of the gate cumsum gc (fp64, see kda.h): the
+// difference is taken in double, the exponential in float.
+__device__ __forceinline__ float decay(double g1, double g0 = 0.0) { return expf((float)(g1 - g0)); }
 
 // Offset of token (b, t, h) in a [B, T, H, *] tensor, in units of rows; multiply by
 // the row length (K, V or 1). Only ever called with t < T.
@@ -185,14 +200,14 @@ __device__ __forceinline__ void pre_chunk(const KdaFwdParams& p, int bh, int n, 
   const size_t r0 = wrow(p, bh, base);
   float* qn = p.qn + r0 * K;  // [BT, K]
   float* kn = p.kn + r0 * K;  // [BT, K]
-  float* gc = p.gc + r0 * K;  // [BT, K]
+  double* gc = p.gc + r0 * K;  // [BT, K]
   float* kd = p.kd + r0 * K;  // [BT, K]
   float* qd = p.qd + r0 * K;  // [BT, K]
   float* kr = p.kr + r0 * K;  // [BT, K]
 
-  float gsum[kSlots];  // running gate sum of the lane's columns d = lane + 32 s
+  double gsum[kSlots];  // running gate sum of the lane's columns d = lane + 32 s (fp64)
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) gsum[s] = 0.f;
+  for (int s = 0; s < kSlots; ++s) gsum[s] = 0.0;
 
   for (int c = 0; c < BT; ++c) {
     const bool real = c < len;  // warp-uniform
@@ -229,7 +244,7 @@ __device__ __forceinline__ void pre_chunk(const KdaFwdParams& p, int bh, int n, 
       if (d < K) {
         const float qnv = qv[s] * rq, knv = kv[s] * rk;
         gsum[s] += av[s];
-        const float e = expf(gsum[s]);
+        const float e = decay(gsum[s]);
         qn[c * K + d] = qnv;
         kn[c * K + d] = knv;
         gc[c * K + d] = gsum[s];
@@ -251,13 +266,13 @@ __device__ __forceinline__ void pre_chunk(const KdaFwdParams& p, int bh, int n, 
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
     const int d = lane + 32 * s;
-    if (d < K) el[d] = expf(gsum[s]);
+    if (d < K) el[d] = decay(gsum[s]);
   }
   for (int c = 0; c < BT; ++c) {
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int d = lane + 32 * s;
-      if (d < K) kr[c * K + d] = kn[c * K + d] * expf(gsum[s] - gc[c * K + d]);
+      if (d < K) kr[c * K + d] = kn[c * K + d] * decay(gsum[s], gc[c * K + d]);
     }
   }
 }
@@ -279,7 +294,7 @@ __device__ __forceinline__ void wy_chunk(const KdaFwdParams& p, int bh, int n, i
   const int base = n * BT, len = chunk_len(p, n);
   const size_t r0 = wrow(p, bh, base);
   const float* kn = p.kn + r0 * K;    // [BT, K]
-  const float* gc = p.gc + r0 * K;    // [BT, K]
+  const double* gc = p.gc + r0 * K;   // [BT, K]
   const float* kd = p.kd + r0 * K;    // [BT, K]
   const float* bs = p.beta_s + r0;    // [BT]
   float* X = p.X + wmat(p, bh, n);    // [BT, BT]
@@ -292,12 +307,13 @@ __device__ __forceinline__ void wy_chunk(const KdaFwdParams& p, int bh, int n, i
   for (int e = lane; e < BT * BT; e += 32) M[e] = 0.f;
   __syncwarp();
   for (int c = 1; c < BT; ++c) {
-    float knc[kSlots], gcc[kSlots];
+    float knc[kSlots];
+    double gcc[kSlots];
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int d = lane + 32 * s;
       knc[s] = d < K ? kn[c * K + d] : 0.f;
-      gcc[s] = d < K ? gc[c * K + d] : 0.f;
+      gcc[s] = d < K ? gc[c * K + d] : 0.0;
     }
     const float bc = bs[c];
     for (int i = 0; i < c; ++i) {
@@ -305,7 +321,7 @@ __device__ __forceinline__ void wy_chunk(const KdaFwdParams& p, int bh, int n, i
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int d = lane + 32 * s;
-        if (d < K) part += knc[s] * kn[i * K + d] * expf(gcc[s] - gc[i * K + d]);
+        if (d < K) part += knc[s] * kn[i * K + d] * decay(gcc[s], gc[i * K + d]);
       }
       part = warp_sum(part);
       if (lane == 0) M[c * BT + i] = bc * part;
@@ -374,22 +390,23 @@ __device__ __forceinline__ void aqk_chunk(const KdaFwdParams& p, int bh, int n, 
   const size_t r0 = wrow(p, bh, n * BT);
   const float* qn = p.qn + r0 * K;     // [BT, K]
   const float* kn = p.kn + r0 * K;     // [BT, K]
-  const float* gc = p.gc + r0 * K;     // [BT, K]
+  const double* gc = p.gc + r0 * K;    // [BT, K]
   float* A = p.Aqk + wmat(p, bh, n);   // [BT, BT]
   for (int c = 0; c < BT; ++c) {
-    float qnc[kSlots], gcc[kSlots];
+    float qnc[kSlots];
+    double gcc[kSlots];
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int d = lane + 32 * s;
       qnc[s] = d < K ? qn[c * K + d] : 0.f;
-      gcc[s] = d < K ? gc[c * K + d] : 0.f;
+      gcc[s] = d < K ? gc[c * K + d] : 0.0;
     }
     for (int j = 0; j <= c; ++j) {
       float part = 0.f;
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int d = lane + 32 * s;
-        if (d < K) part += qnc[s] * kn[j * K + d] * expf(gcc[s] - gc[j * K + d]);
+        if (d < K) part += qnc[s] * kn[j * K + d] * decay(gcc[s], gc[j * K + d]);
       }
       part = warp_sum(part);
       if (lane == 0) A[c * BT + j] = p.scale * part;
@@ -553,7 +570,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
   const float* dS = p.dstates + ((size_t)bh * (NT + 1) + n + 1) * KV;           // dL/dS_{n+1} [K, V]
   const float* qn = f.qn + r0 * K;       // [BT, K]
   const float* kn = f.kn + r0 * K;       // [BT, K]
-  const float* gc = f.gc + r0 * K;       // [BT, K]
+  const double* gc = f.gc + r0 * K;      // [BT, K]
   const float* kd = f.kd + r0 * K;       // [BT, K]
   const float* qd = f.qd + r0 * K;       // [BT, K]
   const float* kr = f.kr + r0 * K;       // [BT, K]
@@ -576,7 +593,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
   float* tmp = p.tmp + wmat(f, bh, n);   // [BT, BT]
   float* dqs = p.dqs + r0 * K;           // [BT, K]
   float* dkn = p.dkn + r0 * K;           // [BT, K]
-  float* dgc = p.dgc + r0 * K;           // [BT, K]
+  double* dgc = p.dgc + r0 * K;          // [BT, K]
   float* dbs = p.dbeta_s + r0;           // [BT]
 
   if constexpr (!kNoBwdChunkStates) {
@@ -672,12 +689,12 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
 
   // ---- C. dAf (w part), dkd; adjoints of kd, qd, kr, EL -----------------------
   if constexpr (!kNoPrecompute) {
-    float gl[kSlots], dgl[kSlots];  // glast and its gradient, lane's columns
+    double gl[kSlots], dgl[kSlots];  // glast and its gradient, lane's columns (fp64)
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int d = lane + 32 * s;
-      gl[s] = d < K ? gc[(BT - 1) * K + d] : 0.f;
-      dgl[s] = d < K ? dEL[d] * el[d] : 0.f;  // EL = exp(glast)
+      gl[s] = d < K ? gc[(BT - 1) * K + d] : 0.0;
+      dgl[s] = d < K ? dEL[d] * el[d] : 0.0;  // EL = exp(glast)
     }
     for (int i = 0; i < BT; ++i) {
       float kdi[kSlots], dkd[kSlots];
@@ -708,11 +725,11 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
         const int d = lane + 32 * s;
         if (d < K) {
           const int e = i * K + d;
-          const float ex = expf(gc[e]), fr = expf(gl[s] - gc[e]);
+          const float ex = decay(gc[e]), fr = decay(gl[s], gc[e]);
           const float g_qd = dqd[e], g_kr = dkr[e];
           dqs[e] = g_qd * ex;
           dkn[e] = dkd[s] * ex + g_kr * fr;
-          dgc[e] = dkd[s] * kd[e] + g_qd * qd[e] - g_kr * kr[e];
+          dgc[e] = (double)(dkd[s] * kd[e]) + (double)(g_qd * qd[e]) - (double)(g_kr * kr[e]);
           dgl[s] += g_kr * kr[e];
         }
       }
@@ -759,16 +776,17 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
 
   // ---- E. L and Aqk adjoints (lanes split K) ----------------------------------
   for (int c = 0; c < BT; ++c) {
-    float knc[kSlots], qsc[kSlots], gcc[kSlots], a_kn[kSlots], a_qs[kSlots], a_gc[kSlots];
+    float knc[kSlots], qsc[kSlots], a_kn[kSlots], a_qs[kSlots];
+    double gcc[kSlots], a_gc[kSlots];
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int d = lane + 32 * s;
       knc[s] = d < K ? kn[c * K + d] : 0.f;
       qsc[s] = d < K ? f.scale * qn[c * K + d] : 0.f;
-      gcc[s] = d < K ? gc[c * K + d] : 0.f;
+      gcc[s] = d < K ? gc[c * K + d] : 0.0;
       a_kn[s] = 0.f;
       a_qs[s] = 0.f;
-      a_gc[s] = 0.f;
+      a_gc[s] = 0.0;
     }
     const float bc = bs[c];
     float dbc = 0.f;
@@ -782,7 +800,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
         const int d = lane + 32 * s;
         if (d < K) {
           const int e = i * K + d;
-          const float fcd = expf(gcc[s] - gc[e]);
+          const float fcd = decay(gcc[s], gc[e]);
           const float t1 = kn[e] * fcd;
           const float hh = gin * knc[s] + gq * qsc[s];
           part += knc[s] * t1;
@@ -814,7 +832,7 @@ __device__ __forceinline__ void bwd_wy_chunk(const KdaBwdParams& p, int bh, int 
 
 // Adjoint of the pre-stage of chunk n, one warp (lanes split K), rows c = BT-1 .. 0:
 //   da = reverse cumsum of dgc over the chunk (padded rows included: glast is
-//        the gc of the last padded row), kept in registers
+//        the gc of the last padded row), kept in registers, in double
 //   gate:   dg = da * da/dx  (x = g + dt_bias),  dA_log term = sum_d da * da/dA_log
 //   beta:   dbeta = dbeta_s * s * (1 - s)
 //   l2norm: dq = rq * (dqn - (dqn . qn) qn),  dqn = scale * dqs;  same for k
@@ -828,13 +846,13 @@ __device__ __forceinline__ void bwd_pre_chunk(const KdaBwdParams& p, int bh, int
   const float* kn = f.kn + r0 * K;    // [BT, K]
   const float* dqs = p.dqs + r0 * K;  // [BT, K]
   const float* dkn = p.dkn + r0 * K;  // [BT, K]
-  const float* dgc = p.dgc + r0 * K;  // [BT, K]
+  const double* dgc = p.dgc + r0 * K;  // [BT, K]
   const float aexp = expf(f.A_log[h]);
   const float* dtb = f.dt_bias + (size_t)h * K;  // [K]
 
-  float da[kSlots];
+  double da[kSlots];
 #pragma unroll
-  for (int s = 0; s < kSlots; ++s) da[s] = 0.f;
+  for (int s = 0; s < kSlots; ++s) da[s] = 0.0;
   for (int c = BT - 1; c >= 0; --c) {
     const bool real = c < len;  // warp-uniform
 #pragma unroll
@@ -846,15 +864,17 @@ __device__ __forceinline__ void bwd_pre_chunk(const KdaBwdParams& p, int bh, int
       const size_t x = tok(f, b, base + c, h);
       const float* gi = f.g + x * K;
       float* dgi = p.dg + x * K;
-      float dalog = 0.f, sq = 0.f, sk = 0.f;
+      double dalog = 0.0;  // summed over K in double
+      float sq = 0.f, sk = 0.f;
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int d = lane + 32 * s;
         if (d < K) {
           float da_dx, da_dalog;
           gate_bwd(gi[d] + dtb[d], aexp, f.gate_id, f.lower_bound, &da_dx, &da_dalog);
-          dgi[d] = da[s] * da_dx;
-          dalog += da[s] * da_dalog;
+          const float das = (float)da[s];  // da to float at its use
+          dgi[d] = das * da_dx;
+          dalog += das * da_dalog;
           sq += f.scale * dqs[c * K + d] * qn[c * K + d];
           sk += dkn[c * K + d] * kn[c * K + d];
         }
@@ -864,7 +884,7 @@ __device__ __forceinline__ void bwd_pre_chunk(const KdaBwdParams& p, int bh, int
       sk = warp_sum(sk);
       const size_t r = r0 + c;
       if (lane == 0) {
-        p.dAlog_part[x] = dalog;
+        p.dAlog_part[x] = (float)dalog;
         const float sb = f.beta_s[r];
         p.dbeta[x] = p.dbeta_s[r] * sb * (1.0f - sb);
       }

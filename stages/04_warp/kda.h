@@ -15,6 +15,11 @@
 // of the last chunk exist only in the workspace: they act as k = q = v = 0,
 // beta = 0 and gate a = 0, which leaves every real token's result unchanged.
 // Inputs and outputs are never read or written at t >= T.
+//
+// Precision (stage 01's choice): everything is fp32 except the gate's in-chunk
+// cumsum gc and its adjoint dgc (then da), kept in fp64. A float gc loses the low
+// bits of the differences gc[c] - gc[i] the decays need, and dgc's +t / -t pairs
+// cancel only up to float rounding. Differences in double, exp() in float.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,7 +54,7 @@ struct KdaFwdParams {
   // ---- workspace (written by the forward kernels) ----
   float* qn;      // [BH, Tp, K] l2-normalised q
   float* kn;      // [BH, Tp, K] l2-normalised k
-  float* gc;      // [BH, Tp, K] gate a, cumulative sum inside each chunk
+  double* gc;     // [BH, Tp, K] gate a, cumulative sum inside each chunk (fp64)
   float* kd;      // [BH, Tp, K] kn * exp(gc)                 (new in stage 04)
   float* qd;      // [BH, Tp, K] scale * qn * exp(gc)         (new in stage 04)
   float* kr;      // [BH, Tp, K] kn * exp(glast - gc)         (new in stage 04)
@@ -95,7 +100,7 @@ struct KdaBwdParams {
   float* tmp;   // [BH, NT, BT, BT]  (X^T @ dX)^T  (inverse VJP)
   float* dqs;   // [BH, Tp, K]       gradient of qs = scale * qn
   float* dkn;   // [BH, Tp, K]       gradient of kn
-  float* dgc;   // [BH, Tp, K]       gradient of gc
+  double* dgc;  // [BH, Tp, K]       gradient of gc (fp64)
   float* dbeta_s;  // [BH, Tp]       gradient of sigmoid(beta)
   // ---- outputs ----
   float* dq;      // [B, T, H, K]
