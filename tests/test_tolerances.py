@@ -88,6 +88,31 @@ def test_the_level_check_catches_a_loose_and_a_tight_tolerance():
     assert "no check case" in _at_the_measured_level("00", {})[0]
 
 
+def test_a_reduced_gradient_also_meets_the_plain_fp32_bound():
+    """dA_log and ddt_bias are judged against the size of their terms and, besides, by their plain
+    relative error against fp64 (checks.PLAIN_BOUND = 1e-5, the bound of every fp32 gradient).
+    Planted: a row within the term-scale tolerance whose plain error is 1.2e-5 (stage 04's dA_log
+    with a float32 gate cumsum) fails; the same row at 1e-6 passes."""
+    tol = load_stage("04").SPEC.tol("dA_log")
+    row = dict(stage="04_warp", case="planted", output="dA_log", err_ref=tol / 10, err_prev=None, prev=None)
+    assert checks.judge("04", dict(row, err_plain=1e-6))["ok"]
+    assert not checks.judge("04", dict(row, err_plain=1.2e-5))["ok"]
+    assert checks.PLAIN_BOUND == 1e-5
+
+
+@pytest.mark.parametrize("sid", ["02", "03", "04"])
+def test_recorded_reduced_gradients_meet_the_plain_bound(sid):
+    """On the H200 (results/h200/checks.json): the worst plain relative error of dA_log and ddt_bias
+    over the stage's GPU check cases is within 1e-5."""
+    data = results.recorded("checks")
+    name = load_stage(sid).SPEC.name
+    rows = {r["output"]: r for r in data["rows"] if r.get("stage") == name and r["output"] in ("dA_log", "ddt_bias")}
+    assert set(rows) == {"dA_log", "ddt_bias"}, f"{name}: no recorded dA_log / ddt_bias check"
+    for out, r in rows.items():
+        assert r.get("err_plain") is not None, f"{name} {out}: recorded without its plain error"
+        assert r["err_plain"] <= checks.PLAIN_BOUND, f"{name} {out}: plain error {r['err_plain']:.2e}"
+
+
 # --------------------------------------------------------------------------
 # the reference's constants
 # --------------------------------------------------------------------------
