@@ -476,14 +476,20 @@ def check_chunk_sizes(stage, case: Case, chunks=(16, 32), device=None) -> dict:
 
 
 def summarize(rows) -> list[dict]:
-    """Worst error per (stage, output) over all cases (NaN counts as inf)."""
+    """Worst error per (stage, output) over all cases (NaN counts as inf). ``prev``
+    names the stage of the worst ``err_prev``: a stage compared with two (stage 12:
+    stage 11 on the bounded gate, stage 04 on the softplus gate) reports the one
+    its worst difference came from."""
     out: dict = {}
     for r in rows:
         w = out.setdefault((r["stage"], r["output"]), dict(stage=r["stage"], output=r["output"], err_ref=None,
                                                           err_prev=None, prev=r["prev"], tol=r["tol"], ok=True,
                                                           cases=0))
         w["err_ref"] = worst([w["err_ref"], r["err_ref"]])
-        w["err_prev"] = worst([w["err_prev"], r["err_prev"]])
+        top = worst([w["err_prev"], r["err_prev"]])
+        if top is not None and top != worst([w["err_prev"]]):
+            w["prev"] = r["prev"]
+        w["err_prev"] = top
         if r.get("err_plain") is not None:
             w["err_plain"] = worst([w.get("err_plain"), r["err_plain"]])
         w["ok"] = w["ok"] and r["ok"]

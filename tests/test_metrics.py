@@ -55,3 +55,15 @@ def test_summary_of_a_nan_row_is_not_zero():
 def test_tolerances_are_those_of_the_design():
     """fp32 stages near 1e-6 must stay under 1e-5; bf16 stages under 5e-3 (DESIGN.md section 6)."""
     assert TOLERANCE == {"fp32": 1e-5, "bf16": 5e-3}
+
+
+def test_summary_names_the_stage_of_the_worst_difference():
+    """Stage 12 is compared with stage 11 (bounded gate) and stage 04 (softplus gate): the summary's
+    ``prev`` is the stage its worst err_prev came from, whichever row came first."""
+    rows = [dict(stage="12", output="o", err_ref=1e-3, err_prev=2e-3, prev="11", tol=5e-3, ok=True),
+            dict(stage="12", output="o", err_ref=1e-3, err_prev=4e-3, prev="04", tol=5e-3, ok=True),
+            dict(stage="12", output="o", err_ref=1e-3, err_prev=3e-3, prev="11", tol=5e-3, ok=True)]
+    (w,) = summarize(rows)
+    assert (w["err_prev"], w["prev"]) == (4e-3, "04")
+    (w,) = summarize(rows[::-1][:1] + rows[:1])
+    assert (w["err_prev"], w["prev"]) == (3e-3, "11")
