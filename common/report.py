@@ -736,3 +736,59 @@ def update_readme(path) -> bool:
     if new != text:
         Path(path).write_text(new)
     return new != text
+
+
+SUMMIT_BOUND = 1.02  # issue 36: on the bounded gate the last stage takes at most this times stage 11's GPU time
+
+
+def summit_rows(data: dict) -> list[dict]:
+    """One row per shape of a bench_summit.py record ({"meta", "rows"}): GPU times (graph replay)
+    per shape, each the slower round's, and the ratios judged per round:
+
+    - bounded gate: stage 11, the last stage, FlashKDA; ``last / 11`` the largest over rounds of
+      the same round's ratio; ``bitwise 11``: the last stage's outputs were stage 11's bits in
+      every round;
+    - softplus gate: the last stage now and the earlier kernel (``kernel == "before"``);
+      ``now / before`` the largest over rounds.
+    """
+    from .inputs import shape_label
+
+    by: dict = {}
+    for r in data["rows"]:
+        who = {"11_varlen": "11", "FlashKDA": "FlashKDA"}.get(r["stage"], "last")
+        if r.get("kernel") == "before":
+            who = "before"
+        by.setdefault(shape_label(r), {}).setdefault((r["part"], who), {})[r.get("round", 0)] = r
+
+    def slow(d, key):
+        return max(x["graph_ms"] for x in d[key].values()) if key in d else None
+
+    def ratio(d, a, b):
+        if a not in d or b not in d:
+            return None
+        return max(d[a][k]["graph_ms"] / d[b][k]["graph_ms"] for k in d[a] if k in d[b])
+
+    out = []
+    for lab, d in by.items():
+        bd, sp = ("bounded", "last"), ("softplus", "last")
+        row = {"shape": lab, "11 ms": slow(d, ("bounded", "11")), "last ms": slow(d, bd),
+               "FlashKDA ms": slow(d, ("bounded", "FlashKDA")), "last / 11": ratio(d, bd, ("bounded", "11")),
+               "last / FlashKDA": ratio(d, bd, ("bounded", "FlashKDA")),
+               "bitwise 11": all(x.get("equal_to_11") for x in d[bd].values()) if bd in d else None,
+               "softplus ms": slow(d, sp), "before ms": slow(d, ("softplus", "before")),
+               "now / before": ratio(d, sp, ("softplus", "before"))}
+        out.append(row)
+    return out
+
+
+def summit_verdict(rows: list[dict]) -> dict:
+    """Issue 36's two criteria on summit_rows: ``bounded_ok`` (last / 11 <= SUMMIT_BOUND at every
+    shape timed on both), ``softplus_worst`` (the largest now / before) and the shapes of each."""
+    b = [r for r in rows if r["last / 11"] is not None]
+    s = [r for r in rows if r["now / before"] is not None]
+    return dict(bounded_ok=bool(b) and all(r["last / 11"] <= SUMMIT_BOUND for r in b),
+                bounded_worst=max((r["last / 11"] for r in b), default=None),
+                bounded_over=[r["shape"] for r in b if r["last / 11"] > SUMMIT_BOUND],
+                bitwise=bool(b) and all(r["bitwise 11"] for r in b),
+                softplus_worst=max((r["now / before"] for r in s), default=None),
+                softplus_slower=[r["shape"] for r in s if r["now / before"] > 1.0])
