@@ -34,7 +34,7 @@ from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeli
                        plot_profile, split_bars)
 from .report import README_FIGURES
 from .stages import (STAGE_DIRS, declared_records, fused_stage, lesson_source, load_stage, neighbour_diff,
-                     normalize, previous, tensor_core_stages, varlen_record)
+                     normalize, previous, record_names, tensor_core_stages, varlen_record)
 
 FIGURES: set = set()  # names of the functions below that draw a figure
 
@@ -1221,3 +1221,435 @@ def write_figures(root) -> list:
         out.append(path)
     plt.close("all")
     return out
+
+
+# ---------------------------------------------------------------------------
+# Stage 12: the softplus gate's records
+# ---------------------------------------------------------------------------
+# Notebook 12's tables and figures: one chunk at the gate's extremes and the wide chunks of the benchmark's inputs
+# (on the CPU), then the H200 records its stage.py declares (RECORDS: accuracy, fla_speed, products, ring, race,
+# softplus_paths, bounded_before), each table naming its record once.
+
+EXTREME_CHUNK = dict(K=64, T=32, seed=0)  # one head of the extreme checks' inputs, two chunks long
+WIDE_INPUTS = dict(B=1, T=8192, H=32, K=128, seed=0)  # Kimi Linear's shape, where wide chunks are counted on the CPU
+_WIDE: dict = {}  # stage id -> (the table's rows, each inputs' chunk decays): counted once per notebook session
+
+
+def _stage_records(stage_id, key: str, say: bool = True):
+    """The records a stage declares as ``RECORDS[key]`` (a name or a list: common.stages.record_names), loaded,
+    and their meta as one (devices, dates and commits joined). With ``say``, prints one line naming the file(s)
+    and where they were recorded (results.label). Returns (the records, in the declared order; that meta)."""
+    sid = normalize(stage_id)
+    names = record_names(declared_records(key)[sid])
+    data = [results.recorded(n) for n in names]
+    paths = [f"results/h200/{n}.json" for n in names]
+    missing = [p for p, d in zip(paths, data) if d is None]
+    if missing:
+        raise FileNotFoundError(f"stage {sid} declares RECORDS[{key!r}], and {', '.join(missing)} is not there")
+    meta = {f: ", ".join(dict.fromkeys(str(d["meta"].get(f)) for d in data)) for f in ("device", "date", "commit")}
+    if say:
+        folder = os.path.commonpath(paths) if len(paths) > 1 else None
+        where = paths[0] if folder is None else f"{folder}/ ({', '.join(os.path.relpath(p, folder) for p in paths)})"
+        print(f"{where}: {results.label(meta)}")
+    return data, meta
+
+
+def _part(data: dict, what: str) -> list[dict]:
+    """The rows of one part of a recorded call (scripts/bench_softplus.py's parts: "accuracy", "speed", ...)."""
+    return [r for r in data["rows"] if r.get("part") == what]
+
+
+def _two_line_shape(label: str) -> str:
+    """A shape's label on two lines for a bar's tick ("B1 T8192\\nH32 K128"; V = K left out)."""
+    return "{} {}\n{} {}".format(*label.split()[:4])
+
+
+def _ratio_panel(ax, fontsize: float) -> None:
+    """A panel of ratios (plot_bars) finished: a line at 1, no legend, the shapes' labels level and centred."""
+    import matplotlib.pyplot as plt
+
+    ax.axhline(1.0, color="grey", lw=1, ls="--")
+    ax.get_legend().remove()
+    plt.setp(ax.get_xticklabels(), rotation=0, ha="center", fontsize=fontsize)
+
+
+# ---- one chunk at the gate's extremes, on the CPU: its products three ways ----
+
+def _chunk_products_factored(qn, kn, b, gc, scale):
+    """L and Aqk of one chunk as stages 05-11 form them: one product of k e^gc against k e^-gc."""
+    e, ie = torch.exp(gc), torch.exp(-gc)
+    return torch.tril(b[:, None] * ((kn * e) @ (kn * ie).T), -1), torch.tril(scale * ((qn * e) @ (kn * ie).T))
+
+
+def _chunk_products_pairwise(qn, kn, b, gc, scale):
+    """L and Aqk of one chunk pair by pair: exp(gc_i - gc_j) for i >= j only, every factor <= 1."""
+    n = gc.shape[0]
+    i_ge_j = torch.ones(n, n, dtype=torch.bool).tril()[:, :, None]
+    d = torch.exp(torch.where(i_ge_j, gc[:, None] - gc[None, :], -torch.inf))  # [i, j, K]
+    return (torch.tril(b[:, None] * torch.einsum("id,jd,ijd->ij", kn, kn, d), -1),
+            scale * torch.einsum("id,jd,ijd->ij", qn, kn, d))
+
+
+def _chunk_products_tiles(qn, kn, b, gc, scale):
+    """L and Aqk of one chunk as products_pairwise forms them (stage 12's prepare.cuh): 4 x 4 tiles, those below
+    the diagonal through their first row r, exp(gc_i - gc_r) exp(gc_r - gc_j). Returns (L, Aqk, the largest
+    factor taken)."""
+    n = gc.shape[0]
+    L, A = torch.zeros(n, n, dtype=gc.dtype), torch.zeros(n, n, dtype=gc.dtype)
+    top = 0.0
+    for I in range(n // 4):
+        for J in range(I + 1):
+            i, j = slice(4 * I, 4 * I + 4), slice(4 * J, 4 * J + 4)
+            if I == J:
+                L[i, j], A[i, j] = _chunk_products_pairwise(qn[i], kn[i], b[i], gc[i], scale)
+                continue
+            r = 4 * I
+            fi, fj = torch.exp(gc[i] - gc[r]), torch.exp(gc[r] - gc[j])  # 3 + 4 exponentials per feature
+            top = max(top, fi.max().item(), fj.max().item())
+            L[i, j] = b[i, None] * (kn[i] * fi) @ (kn[j] * fj).T
+            A[i, j] = scale * (qn[i] * fi) @ (kn[j] * fj).T
+    return L, A, top
+
+
+def softplus_extremes(stage_id="12"):
+    """One chunk at the softplus gate's extremes, on the CPU: one head of the extreme checks' inputs
+    (common.inputs.make_inputs(extreme=True)), activated in fp32; how far its key dimensions decay and where
+    exp(-gc) leaves fp32; then the chunk's L and Aqk factored (stages 05-11), pair by pair and through the
+    4 x 4 tiles' reference rows (the stage's), in fp32 against float64: entries not finite, relative errors."""
+    from .inputs import make_inputs
+    from .metrics import rel_err
+    from .reference import activate
+
+    sid = normalize(stage_id)
+    K, bt = EXTREME_CHUNK["K"], load_stage(sid).SPEC.default_chunk
+    scale = K ** -0.5
+    inp = make_inputs(B=1, T=EXTREME_CHUNK["T"], H=1, K=K, gate="softplus", extreme=True, seed=EXTREME_CHUNK["seed"])
+
+    def chunk(dtype, c=0):  # qn, kn, sigmoid(beta) and gc of chunk c (one head), activated in dtype; gc: [bt, K]
+        qn, kn, b, a = activate(*(inp[n].to(dtype) for n in ("q", "k", "g", "beta", "A_log", "dt_bias")))
+        s = slice(bt * c, bt * (c + 1))
+        return qn[0, s, 0], kn[0, s, 0], b[0, s, 0], a[0, s, 0].cumsum(0)
+
+    qn, kn, b, gc = chunk(torch.float32)
+    decay = -gc[-1]
+    print(f"A_log = {inp['A_log'].item():.2f}: over the chunk each key dimension decays by {decay.min():.0f} to "
+          f"{decay.max():.0f} (median {decay.median():.0f})")
+    print(f"fp32: exp(-gc) is inf at {torch.isinf(torch.exp(-gc)).sum()} of {gc.numel()} entries, "
+          f"exp(gc) is 0 at {(torch.exp(gc) == 0).sum()}")
+    L_f, A_f = _chunk_products_factored(qn, kn, b, gc, scale)
+    print(f"factored: {(~L_f.isfinite()).sum()} of {bt * (bt - 1) // 2} entries of L (below the diagonal) and "
+          f"{(~A_f.isfinite()).sum()} of {bt * (bt + 1) // 2} of Aqk are inf or NaN")
+    L64, A64 = _chunk_products_pairwise(*chunk(torch.float64), scale)  # the ground truth: float64 throughout
+    L_t, A_t, top = _chunk_products_tiles(qn, kn, b, gc, scale)
+    rows = []
+    for name, (L, A) in {"factored (stages 05-11)": (L_f, A_f),
+                         "pairwise": _chunk_products_pairwise(qn, kn, b, gc, scale),
+                         f"4 x 4 tiles, reference rows (stage {sid})": (L_t, A_t)}.items():
+        rows.append({"fp32 products": name, "L not finite": int((~L.isfinite()).sum()),
+                     "Aqk not finite": int((~A.isfinite()).sum()),
+                     "L rel. error vs float64": rel_err(L, L64), "Aqk rel. error vs float64": rel_err(A, A64)})
+    print(f"the largest factor the tiles took: {top:.3g}; |L| up to {L64.abs().max():.3g}, |Aqk| up to "
+          f"{A64.abs().max():.3g} in float64")
+    return pd.DataFrame(rows).set_index("fp32 products").style.format(
+        {"L rel. error vs float64": "{:.1e}", "Aqk rel. error vs float64": "{:.1e}"})
+
+
+# ---- how many chunks are wide: the benchmark's inputs at Kimi Linear's shape, on the CPU ----
+
+def _wide(stage_id):
+    """The wide chunks (stage.wide_chunks) of the benchmark's softplus inputs at WIDE_INPUTS, realistic and at
+    the extremes, and each chunk's decay: the largest over its key dimensions of -glast (the sum of a over its
+    16 tokens). Returns (the table's rows, {inputs: decays}); counted once per notebook session."""
+    import numpy as np
+
+    from .inputs import make_inputs
+    from .reference import log_decay
+
+    sid = normalize(stage_id)
+    if sid not in _WIDE:
+        stage = load_stage(sid)
+        spread, rows = {}, []
+        for name, extreme in (("realistic", False), ("extreme=True", True)):
+            x = make_inputs(**WIDE_INPUTS, gate="softplus", extreme=extreme)
+            a = log_decay(x["g"], x["A_log"], x["dt_bias"])
+            wide, total = stage.wide_chunks(a)
+            d = -a[0].double().reshape(-1, 16, WIDE_INPUTS["H"], WIDE_INPUTS["K"]).sum(1)
+            spread[name] = d.amax(-1).flatten().numpy()
+            rows.append({"inputs": name, "wide chunks": wide, "chunks": total, "wide %": 100 * wide / total,
+                         "median decay per chunk": np.median(spread[name]), "largest": spread[name].max()})
+            del x, a, d
+        _WIDE[sid] = rows, spread
+    return _WIDE[sid]
+
+
+def _wide_label() -> str:
+    return "B{B} T{T} H{H} K{K}".format(**WIDE_INPUTS)
+
+
+def wide_chunks(stage_id="12"):
+    """How many chunks go pair by pair (stage.wide_chunks: some key dimension decays by more than
+    stage.FACTORED_RANGE within the chunk) in the benchmark's softplus inputs at Kimi Linear's shape,
+    realistic and at the extremes, on the CPU; with the median and the largest decay per chunk."""
+    print(f"stage.FACTORED_RANGE = {load_stage(stage_id).FACTORED_RANGE:g}")
+    rows, _ = _wide(stage_id)
+    print(f"{_wide_label()}, seed {WIDE_INPUTS['seed']}")
+    return pd.DataFrame(rows).set_index("inputs").style.format(
+        {"wide %": "{:.3f}", "median decay per chunk": "{:.3g}", "largest": "{:.3g}"})
+
+
+@figure
+def wide_chunks_plot(stage_id="12"):
+    """The figure of :func:`wide_chunks`: the histogram of the chunks' decays, realistic and extreme inputs,
+    and the line above which a chunk goes pair by pair."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    line = load_stage(stage_id).FACTORED_RANGE
+    _, spread = _wide(stage_id)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    bins = np.logspace(0, 4, 49)  # decays below 1 drawn in the first bin
+    for name, d in spread.items():
+        ax.hist(np.clip(d, 1, None), bins=bins, alpha=0.6,
+                label=f"{name}: {(d > line).sum()} of {d.size} chunks wide")
+    ax.axvline(line, color="black", ls="--", lw=1)
+    ax.text(line * 1.1, ax.get_ylim()[1] * 0.9, f"{line:g}: pair by pair above", fontsize=8, va="top")
+    ax.set_xscale("log")
+    ax.set_xlabel("a chunk's decay: max over key dimensions of -glast (natural log)")
+    ax.set_ylabel("chunks")
+    ax.set_title(f"Softplus gate, {_wide_label()} on the CPU: which chunks go pair by pair", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return ax
+
+
+# ---- the H200 records ----
+
+def softplus_accuracy(stage_id="12"):
+    """Accuracy on every softplus check case (RECORDS["accuracy"]): the stage as it runs, with u from Af rounded
+    once, pinned pair by pair, and FLA, in one call on the same bf16 inputs, each against fp64; per output, on
+    how many cases the stage is below FLA and what u in two halves bought; the wide chunks of each case."""
+    from .metrics import TOLERANCE
+
+    sid = normalize(stage_id)
+    (data,), _ = _stage_records(sid, "accuracy")
+    acc = pd.DataFrame(_part(data, "accuracy")).set_index("case")
+    for out in ("o", "S"):
+        b = acc[f"{out}_err"] < acc[f"fla_{out}_err"]
+        print(f"{out}: below FLA's on {b.sum()} of {len(acc)} cases"
+              + "".join(f"; above at {c}: {acc.at[c, out + '_err']:.2e} against {acc.at[c, 'fla_' + out + '_err']:.2e}"
+                        for c in acc.index[~b]))
+        gain = 1 - acc[f"{out}_err"] / acc[f"u_once_{out}_err"]
+        print(f"   u in two halves: {out} {100 * gain.min():.0f}% to {100 * gain.max():.0f}% nearer fp64 than u "
+              f"rounded once, which was above FLA's on {(acc[f'u_once_{out}_err'] >= acc[f'fla_{out}_err']).sum()} "
+              "cases")
+    print(f"every output finite: stage {sid} {bool(acc.finite.all())}, FLA {bool(acc.fla_finite.all())}; worst o: "
+          f"stage {sid} {acc.o_err.max():.2e}, FLA {acc.fla_o_err.max():.2e} (the issue's bound 5e-3; bf16 "
+          f"tolerance {TOLERANCE['bf16']:.0e})")
+    acc["wide"] = [f"{w} / {n}" for w, n in zip(acc.wide_chunks, acc.chunks)]
+    errs = {"o_err": f"{sid}: o", "u_once_o_err": "u once: o", "pairwise_o_err": "pairwise: o",
+            "fla_o_err": "FLA: o", "S_err": f"{sid}: S", "u_once_S_err": "u once: S",
+            "pairwise_S_err": "pairwise: S", "fla_S_err": "FLA: S"}
+    return acc[["wide", *errs]].rename(columns={"wide": "wide chunks", **errs}).style.format(
+        "{:.2e}", subset=list(errs.values()))
+
+
+def _fla_speed(stage_id, say: bool = True):
+    """The stage's GPU time and peak memory over FLA's, per shape and round, from the records its stage.py
+    declares as RECORDS["fla_speed"], in the order recorded: a shape's rows come from the last record that
+    times it. Returns (the table, one row per shape and round, with its record; the shapes where FLA was not
+    timed beside the stage; the records' meta)."""
+    sid = normalize(stage_id)
+    name = load_stage(sid).SPEC.name
+    data, meta = _stage_records(sid, "fla_speed", say)
+    records = [Path(n).name for n in record_names(declared_records("fla_speed")[sid])]
+    calls = [_part(d, "speed") for d in data]
+    latest = {bench.shape_label(r): i for i, rows in enumerate(calls) for r in rows}
+    speed, untimed = [], []
+    for i, rows in enumerate(calls):
+        rows = [r for r in rows if latest[bench.shape_label(r)] == i]
+        fla_at = {(bench.shape_label(r), r.get("round", 0)): r for r in rows if r["stage"].startswith("FLA")}
+        for s in rows:
+            if s["stage"] != name:
+                continue
+            lab = bench.shape_label(s)
+            f = fla_at.get((lab, s.get("round", 0)))
+            if f is None:
+                untimed.append(f"{lab} ({records[i]}: stage {sid} {s['graph_ms']:.4f} ms)")
+                continue
+            speed.append({"shape": lab, "round": s.get("round", 0), "record": records[i],
+                          f"{sid} GPU ms": s["graph_ms"], "FLA GPU ms": f["graph_ms"],
+                          f"time {sid} / FLA": s["graph_ms"] / f["graph_ms"], f"{sid} peak MB": s["peak_mb"],
+                          "FLA peak MB": f["peak_mb"], f"peak {sid} / FLA": s["peak_mb"] / f["peak_mb"]})
+    return pd.DataFrame(speed).set_index(["shape", "round"]), untimed, meta
+
+
+def softplus_fla_speed(stage_id="12"):
+    """The stage's GPU time (CUDA-graph replay) and peak memory beside FLA's chunk_kda in one call, softplus
+    gate, per shape and round (:func:`_fla_speed`). Fails where a round is above the stage's aim
+    (stage.FLA_TIME_TARGET of FLA's time) or FLA was not timed beside the stage."""
+    sid = normalize(stage_id)
+    target = load_stage(sid).FLA_TIME_TARGET
+    speed, untimed, _ = _fla_speed(sid)
+    t, p = f"time {sid} / FLA", f"peak {sid} / FLA"
+    over = speed[speed[t] > target]
+    print(f"stage {sid} over FLA at {speed.index.get_level_values(0).nunique()} shapes, {len(speed)} rounds: "
+          f"GPU time {speed[t].min():.2f}x to {speed[t].max():.2f}x, peak memory {speed[p].min():.2f}x to "
+          f"{speed[p].max():.2f}x")
+    print(f"within {target}x in {len(speed) - len(over)} of {len(speed)} rounds"
+          + "".join(f"; above at {lab} round {rnd}: {r[t]:.2f}x" for (lab, rnd), r in over.iterrows()))
+    print("FLA not timed in these calls at: " + ("; ".join(untimed) or "none"))
+    fail_if([f"{lab} round {rnd}: {r[t]:.3f}x FLA's time" for (lab, rnd), r in over.iterrows()]
+            + [f"{x}: FLA not timed beside it" for x in untimed], f"the {target}x target")
+    return speed.style.format({f"{sid} GPU ms": "{:.4f}", "FLA GPU ms": "{:.4f}", t: "{:.3f}",
+                               f"{sid} peak MB": "{:.1f}", "FLA peak MB": "{:.1f}", p: "{:.3f}"})
+
+
+@figure
+def softplus_fla_speed_plot(stage_id="12"):
+    """The figure of :func:`softplus_fla_speed`: per shape, the slower round's GPU time and peak memory over
+    FLA's, with the stage's aim (stage.FLA_TIME_TARGET) and 1 marked; its title says where they were recorded."""
+    import matplotlib.pyplot as plt
+
+    sid = normalize(stage_id)
+    target = load_stage(sid).FLA_TIME_TARGET
+    speed, _, meta = _fla_speed(sid, say=False)
+    worst = speed.groupby(level=0, sort=False).max()  # the slower round of each shape
+    bars = [{"shape": _two_line_shape(lab), "series": f"{load_stage(sid).SPEC.name} / FLA",
+             "time": r[f"time {sid} / FLA"], "memory": r[f"peak {sid} / FLA"]} for lab, r in worst.iterrows()]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.6))
+    plot_bars(bars, x="shape", y="time", by="series", ax=ax1, logy=False,
+              ylabel=f"GPU time, stage {sid} / FLA (slower round)", value_fmt=".2f", value_rotation=0,
+              value_fontsize=7, title="GPU time over FLA's")
+    plot_bars(bars, x="shape", y="memory", by="series", ax=ax2, logy=True, ylabel=f"peak memory, stage {sid} / FLA",
+              value_fmt=".2f", value_rotation=0, value_fontsize=7, title="Peak memory over FLA's")
+    ax1.axhline(target, color="tab:red", lw=1, ls=":", label=f"target {target}x")
+    for ax in (ax1, ax2):
+        _ratio_panel(ax, 7)
+    ax1.legend(handles=[ax1.lines[0]], fontsize=8, loc="upper left")
+    fig.suptitle(f"Stage {sid} beside FLA chunk_kda, softplus gate ({results.label(meta)}; below 1: stage {sid} "
+                 "faster or smaller)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _products(stage_id, say: bool = True):
+    """RECORDS["products"]: per shape, the stage as it runs (the products chosen per chunk, "as needed") against
+    pair by pair pinned in every chunk, in one call on the same inputs. Returns (the table, the record's meta)."""
+    (data,), meta = _stage_records(stage_id, "products", say)
+    pr = {}
+    for r in _part(data, "products"):
+        pr.setdefault(bench.shape_label(r), {})[r["products"]] = r
+    rows = []
+    for lab, d in pr.items():
+        chosen, pairwise = d["as needed"], d["pairwise"]
+        rows.append({"shape": lab, "wide chunks": chosen["wide_chunks"], "chunks": chosen["chunks"],
+                     "wide %": 100 * chosen["wide_chunks"] / chosen["chunks"], "as needed ms": chosen["graph_ms"],
+                     "pairwise ms": pairwise["graph_ms"],
+                     "pairwise / as needed": pairwise["graph_ms"] / chosen["graph_ms"],
+                     "rel. diff of outputs": chosen["rel_diff_vs_pairwise"]})
+    prod = pd.DataFrame(rows).set_index("shape")
+    return prod, meta
+
+
+def products_choice(stage_id="12"):
+    """What the choice per chunk bought (:func:`_products`): the wide chunks of the benchmark's inputs, and the
+    GPU time of pair by pair in every chunk over the stage's, with how far apart their outputs are."""
+    prod, _ = _products(stage_id)
+    print(f"wide chunks of the benchmark's inputs: {prod['wide %'].min():.3f}% to {prod['wide %'].max():.3f}%")
+    print(f"pair by pair in every chunk takes {prod['pairwise / as needed'].min():.2f}x to "
+          f"{prod['pairwise / as needed'].max():.2f}x the GPU time of as needed; outputs "
+          f"{prod['rel. diff of outputs'].min():.1e} to {prod['rel. diff of outputs'].max():.1e} apart (bf16 "
+          "round-off)")
+    return prod.style.format({"wide %": "{:.3f}", "as needed ms": "{:.4f}", "pairwise ms": "{:.4f}",
+                              "pairwise / as needed": "{:.3f}", "rel. diff of outputs": "{:.1e}"})
+
+
+@figure
+def products_choice_plot(stage_id="12"):
+    """The figure of :func:`products_choice`: per shape, pair by pair in every chunk over the choice per chunk,
+    GPU time; its title says where it was recorded."""
+    prod, meta = _products(stage_id, say=False)
+    bars = [{"shape": _two_line_shape(lab), "series": "pairwise everywhere / as needed",
+             "x": r["pairwise / as needed"]} for lab, r in prod.iterrows()]
+    ax = plot_bars(bars, x="shape", y="x", by="series", logy=False, value_fmt=".2f", value_rotation=0,
+                   value_fontsize=8, ylabel="GPU time, pairwise in every chunk / as needed",
+                   title=f"What choosing per chunk bought ({results.label(meta)}; above 1: the choice is faster)")
+    _ratio_panel(ax, 8)
+    ax.title.set_fontsize(10)
+    ax.figure.set_size_inches(10, 4)
+    ax.figure.tight_layout()
+    return ax
+
+
+def u_and_ring(stage_id="12"):
+    """What u in two halves and K2's deeper ring cost and bought, each line after its record: u in halves
+    against u once (RECORDS["accuracy"]), the fastest GPU time per ring depth at K = 128 (RECORDS["ring"]),
+    and the table of each K = 64 ring variant's GPU time over fresh allocations (RECORDS["race"])."""
+    sid = normalize(stage_id)
+    (acc,), _ = _stage_records(sid, "accuracy")
+    u = {}
+    for r in _part(acc, "u"):
+        u.setdefault(bench.shape_label(r), {})[r["u_halves"]] = r["graph_ms"]
+    ratio = pd.Series({lab: d[True] / d[False] for lab, d in u.items()})
+    print(f"u in two halves takes {ratio.min():.3f}x to {ratio.max():.3f}x the GPU time")
+    (ring,), _ = _stage_records(sid, "ring")
+    slots = declared_records("ring")[sid]["slots"]  # the ring's slots at K = 128 that each variant built
+    k128 = pd.DataFrame([{"case": f"{r['path']} {bench.shape_label(r)}", "slots": slots[r["variant"]],
+                          "ms": r["fwd_graph_ms"]} for r in ring["rows"] if r["K"] == 128])
+    k128 = k128.groupby(["case", "slots"]).ms.min().unstack("slots")
+    print("K = 128, fastest GPU ms per depth: "
+          + "; ".join(f"{c}: " + ", ".join(f"{s} slots {v:.3f}" for s, v in row.items()) for c, row in k128.iterrows()))
+    (race,), _ = _stage_records(sid, "race")
+    rows, slots = race["rows"], declared_records("race")[sid]["slots"]  # at K = 64, each variant's
+    ring64 = pd.DataFrame([{"slots": slots[r["variant"]], "us": 1e3 * r["fwd_graph_ms"]} for r in rows])
+    ring64 = ring64.groupby("slots", sort=False).us.agg(["min", "max", "count"])
+    print(f"K = 64, {rows[0]['path']} {bench.shape_label(rows[0])}: GPU us over fresh allocations; "
+          f"stage.LONE_RING64 = {load_stage(sid).LONE_RING64}")
+    return ring64.style.format("{:.1f}", subset=["min", "max"])
+
+
+def bounded_pairwise(stage_id="12"):
+    """The bounded gate: what the pairwise products cost (RECORDS["bounded_before"], an earlier kernel): the
+    previous stage, the stage factored (bitwise the previous stage's) and the stage pinned pair by pair, in one
+    call, per shape."""
+    sid = normalize(stage_id)
+    pid = previous(sid)
+    prev_name = load_stage(pid).SPEC.name
+    (data,), _ = _stage_records(sid, "bounded_before")
+    bd = {}
+    for r in _part(data, "bounded"):
+        bd.setdefault(bench.shape_label(r), {})[pid if r["stage"] == prev_name else r["products"]] = r
+    rows = []
+    for lab, d in bd.items():
+        tprev, tf, tp = d[pid]["graph_ms"], d["factored"]["graph_ms"], d["pairwise"]["graph_ms"]
+        rows.append({"shape": lab, f"{pid} GPU ms": tprev, f"{sid} factored ms": tf,
+                     f"bitwise = {pid}": d["factored"][f"equal_to_{pid}"], f"{sid} pairwise ms": tp,
+                     f"pairwise rel. diff vs {pid}": d["pairwise"][f"rel_diff_vs_{pid}"],
+                     f"factored / {pid}": tf / tprev, "pairwise / factored": tp / tf})
+    bounded = pd.DataFrame(rows).set_index("shape")
+    print(f"the pairwise products take {bounded['pairwise / factored'].min():.2f}x to "
+          f"{bounded['pairwise / factored'].max():.2f}x the factored ones' GPU time on the bounded gate; every "
+          f"factored call bitwise stage {pid}'s: {bool(bounded[f'bitwise = {pid}'].all())}")
+    return bounded.style.format({c: "{:.4f}" for c in (f"{pid} GPU ms", f"{sid} factored ms", f"{sid} pairwise ms")}
+                                | {c: "{:.3f}" for c in (f"factored / {pid}", "pairwise / factored")}
+                                | {f"pairwise rel. diff vs {pid}": "{:.1e}"})
+
+
+def softplus_paths(stage_id="12"):
+    """Each path and the rule with the softplus gate, GPU ms per shape (RECORDS["softplus_paths"], recorded before
+    the rule's last change): the fastest path and the rule's time over it; the rule's split width now."""
+    sid = normalize(stage_id)
+    (data,), _ = _stage_records(sid, "softplus_paths")
+    pp = _part(data, "paths")
+    paths = pd.DataFrame([{"shape": bench.shape_label(r), "path": r["path"], "ms": r["graph_ms"]} for r in pp])
+    paths = paths.pivot(index="shape", columns="path", values="ms")[list(dict.fromkeys(r["path"] for r in pp))]
+    paths = paths.loc[list(dict.fromkeys(bench.shape_label(r) for r in pp))]
+    fixed = paths.drop(columns="rule")
+    paths["fastest path"] = fixed.idxmin(axis=1)
+    paths["rule / fastest"] = paths["rule"] / fixed.min(axis=1)
+    print(f"fastest: {', '.join(sorted(set(paths['fastest path'])))} at all {len(paths)} shapes; the rule then took "
+          f"{paths['rule / fastest'].min():.2f}x to {paths['rule / fastest'].max():.2f}x its time")
+    print(f"the rule now: two compute warps per K2 block on the split path at V = 128 "
+          f"(stage.SPLIT_NCW_V128 = {load_stage(sid).SPLIT_NCW_V128})")
+    print("GPU ms per path (CUDA-graph replay)")
+    return paths.style.format({c: "{:.4f}" for c in fixed.columns} | {"rule": "{:.4f}", "rule / fastest": "{:.3f}"})

@@ -187,13 +187,24 @@ def declared_records(key: str) -> dict:
     """{stage id: what its stage.py declares as ``RECORDS[key]``}, in ladder order, for the stages
     that declare it. The keys: "paths" (the recorded paths and the fused profile: scripts/bench_paths.py),
     "varlen" (packed sequences: scripts/bench_varlen.py), "latency" (the tensor-core shapes, where
-    results/h200/tc_stages.json has no row of the stage: a record and the rows of it that are the stage's)."""
+    results/h200/tc_stages.json has no row of the stage: a record and the rows of it that are the stage's).
+    A stage may declare more for its own chapter (stage 12: the records its notebook shows)."""
     out = {}
     for sid in stage_ids():
         rec = stage(sid).records
         if key in rec:
             out[sid] = rec[key]
     return out
+
+
+def record_names(decl) -> list[str]:
+    """The record files (names under results/h200/, without .json) of one ``RECORDS`` entry: a name, a list of
+    names, or a dict that names them under "table", "profile" and "file"."""
+    if isinstance(decl, str):
+        return [decl]
+    if isinstance(decl, dict):
+        return [decl[k] for k in ("table", "profile", "file") if k in decl]
+    return list(decl)
 
 
 def varlen_record(stage_id) -> dict | None:

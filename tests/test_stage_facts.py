@@ -75,14 +75,17 @@ def test_the_harness_reads_the_stages_declarations():
     assert op.STAGE == stages.last_stage() == stage_ids()[-1]  # the op runs the summit
     assert stages.tensor_core_stages() == [s for s in stage_ids() if s >= "05"]
     assert stages.fused_stage() == "09" and notebook.prep_teams() == load_stage("09").PREP_TEAMS
-    # each record a stage declares exists
+    # each record a stage declares exists, under every key (the harness's and a chapter's own: stage 12's notebook)
     from common.paths import RESULTS_DIR
 
-    for key in ("paths", "varlen", "latency"):
-        for sid, decl in stages.declared_records(key).items():
-            names = [decl] if isinstance(decl, str) else [v for k, v in decl.items() if k in ("table", "profile", "file")]
-            for n in names:
-                assert (RESULTS_DIR / "h200" / f"{n}.json").exists(), (sid, key, n)
+    declared = {(sid, key): stages.record_names(decl) for sid in stage_ids()
+                for key, decl in stages.stage(sid).records.items()}
+    assert {"paths", "varlen", "latency", "accuracy", "fla_speed"} <= {key for _, key in declared}
+    assert len(declared[("12", "fla_speed")]) == 4
+    for (sid, key), names in declared.items():
+        assert names and all(isinstance(n, str) for n in names), (sid, key)
+        for n in names:
+            assert (RESULTS_DIR / "h200" / f"{n}.json").exists(), (sid, key, n)
 
 
 def _row_of(table: str, name: str) -> list[str]:

@@ -178,6 +178,21 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
 # tensor-core shapes on the bounded gate, measured beside stage 11 and FlashKDA (scripts/bench_summit.py).
 RECORDS = dict(latency=dict(file="stage12/summit_c8a9662", part="bounded"))
 
+# The records notebook 12 shows (common.notebook, its stage 12 section): accuracy beside FLA per check case, with u
+# in two halves against once; the time beside FLA, in the order recorded (a shape's rows come from the last file
+# that times it); the choice per chunk against pair by pair in every chunk; K2's ring at K = 128 and at K = 64
+# (scripts/try_variants.py: the slots each variant built); the paths; the bounded gate, factored and pair by pair,
+# beside stage 11 (an earlier kernel).
+RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
+               fla_speed=["stage12/speed_e0f3dde", "stage12/speed_e0f3dde_b", "stage12/speed_h96_25a6d0c",
+                          "stage12/speed_k64_6dace24"],
+               products="stage12/products_call1",
+               ring=dict(file="stage12/ring_d802487", slots={"stage": 3, "r6": 4, "r8": 6, "r12": 8}),
+               race=dict(file="stage12/ring_race_25a6d0c",
+                         slots={"stage": "12 (25a6d0c as built)", "r4": "4", "r6": "6", "r7": "7", "r8": "8",
+                                "r12": "12", "r8f": "8, barriers first", "r12f": "12, barriers first"}),
+               softplus_paths="stage12/softplus_paths_call2", bounded_before="stage12/softplus_a5d5e41")
+
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
 _PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
