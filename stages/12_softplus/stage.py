@@ -36,11 +36,10 @@ SOURCES = ["kda.cu", "binding.cpp"]
 TOLERANCE = dict(o=5e-3, S=5e-3)
 
 # A bounded gate runs stage 11's instantiation of the kernels (factored products, u rounded once), so it
-# should give stage 11's bits; not declared until a GPU record of this code shows it (the record in
-# results/h200/checks.json predates that default: 4.2e-3 from stage 11). tests/test_gpu_stages.py
-# test_bounded_gate_is_stage_11_bitwise checks it on the GPU; once recorded, declare
-# SAME_BITS_AS_PREVIOUS = True and every check fails on any difference (common.checks.judge).
-SAME_BITS_AS_PREVIOUS = False
+# gives stage 11's bits: declared here, every check then fails on any difference (common.checks.judge);
+# tests/test_gpu_stages.py test_bounded_gate_is_stage_11_bitwise checks it at the benchmark shapes too.
+SAME_BITS_AS_PREVIOUS = True and every check fails on any difference (common.checks.judge).
+SAME_BITS_AS_PREVIOUS = True
 
 SPEC = StageSpec(
     name="12_softplus",
