@@ -1228,7 +1228,7 @@ def write_figures(root) -> list:
 # ---------------------------------------------------------------------------
 # Notebook 12's tables and figures: one chunk at the gate's extremes and the wide chunks of the benchmark's inputs
 # (on the CPU), then the H200 records its stage.py declares (RECORDS: accuracy, fla_speed, products, ring, race,
-# softplus_paths, bounded_before), each table naming its record once.
+# softplus_paths, bounded_before, summit), each table naming its record once.
 
 EXTREME_CHUNK = dict(K=64, T=32, seed=0)  # one head of the extreme checks' inputs, two chunks long
 WIDE_INPUTS = dict(B=1, T=8192, H=32, K=128, seed=0)  # Kimi Linear's shape, where wide chunks are counted on the CPU
@@ -1633,6 +1633,29 @@ def bounded_pairwise(stage_id="12"):
     return bounded.style.format({c: "{:.4f}" for c in (f"{pid} GPU ms", f"{sid} factored ms", f"{sid} pairwise ms")}
                                 | {c: "{:.3f}" for c in (f"factored / {pid}", "pairwise / factored")}
                                 | {f"pairwise rel. diff vs {pid}": "{:.1e}"})
+
+
+def summit_table(stage_id="12"):
+    """The last stage beside stage 11 and FlashKDA on the bounded gate, and beside its earlier kernel with the
+    softplus gate (RECORDS["summit"], scripts/bench_summit.py: one call, the same inputs per shape and round),
+    judged by report.summit_rows / summit_verdict: ratios within a round, the median over rounds."""
+    from .report import SUMMIT_BOUND, summit_rows, summit_verdict
+
+    (data,), _ = _stage_records(stage_id, "summit")
+    rows = summit_rows(data)
+    v = summit_verdict(rows)
+    worst = max(r["last / 11 worst"] for r in rows if r["last / 11 worst"] is not None)
+    print(f"bounded gate: at most {v['bounded_worst']:.3f}x stage 11's GPU time (median of "
+          f"{min(r['rounds'] for r in rows)}+ rounds; bound {SUMMIT_BOUND}x: "
+          f"{'met at every shape' if v['bounded_ok'] else 'exceeded at ' + ', '.join(v['bounded_over'])}; "
+          f"slowest single round {worst:.3f}x); stage 11's bits at every shape: {v['bitwise']}. "
+          f"Softplus gate: at most {v['softplus_worst']:.3f}x the earlier kernel's time.")
+    cols = ["shape", "11 ms", "last ms", "last / 11", "last / 11 worst", "bitwise 11", "FlashKDA ms",
+            "last / FlashKDA", "softplus ms", "before ms", "now / before"]
+    table = pd.DataFrame([{c: r[c] for c in cols} for r in rows]).set_index("shape")
+    return table.style.format({c: "{:.4f}" for c in ("11 ms", "last ms", "FlashKDA ms", "softplus ms", "before ms")}
+                              | {c: "{:.3f}" for c in ("last / 11", "last / 11 worst", "last / FlashKDA",
+                                                        "now / before")}, na_rep="-")
 
 
 def softplus_paths(stage_id="12"):

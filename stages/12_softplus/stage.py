@@ -38,7 +38,6 @@ TOLERANCE = dict(o=5e-3, S=5e-3)
 # A bounded gate runs stage 11's instantiation of the kernels (factored products, u rounded once), so it
 # gives stage 11's bits: declared here, every check then fails on any difference (common.checks.judge);
 # tests/test_gpu_stages.py test_bounded_gate_is_stage_11_bitwise checks it at the benchmark shapes too.
-SAME_BITS_AS_PREVIOUS = True and every check fails on any difference (common.checks.judge).
 SAME_BITS_AS_PREVIOUS = True
 
 SPEC = StageSpec(
