@@ -84,10 +84,13 @@ def softplus_rows(shapes, rnd, last, on_row, label=None) -> None:
 
 def before_rows(before: Path, shapes_arg, rnd: int) -> list[dict]:
     """One round of the softplus part on the stage directory ``before`` (an earlier commit's), in a
-    subprocess with its own build directory; rounds alternate with this process's."""
+    subprocess with its own build directory ($KDALAB_BEFORE_BUILD, default /tmp/kdalab_build_before);
+    rounds alternate with this process's. (With DIR a copy of today's stage directory, the rows
+    measure what the subprocess itself does to a time: the control.)"""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "before.json"
-        env = dict(os.environ, KDALAB_STAGES_DIR=str(before.resolve()), KDALAB_BUILD="/tmp/kdalab_build_before")
+        env = dict(os.environ, KDALAB_STAGES_DIR=str(before.resolve()), 
+                   KDALAB_BUILD=os.environ.get("KDALAB_BEFORE_BUILD", "/tmp/kdalab_build_before"))
         cmd = [sys.executable, __file__, "--parts", "softplus", "--rounds", "1", "--label", "before",
                "--out", str(out)] + (["--shapes", shapes_arg] if shapes_arg else [])
         rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
