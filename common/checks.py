@@ -476,25 +476,37 @@ def check_chunk_sizes(stage, case: Case, chunks=(16, 32), device=None) -> dict:
 
 
 def summarize(rows) -> list[dict]:
-    """Worst error per (stage, output) over all cases (NaN counts as inf). ``prev``
-    names the stage of the worst ``err_prev``: a stage compared with two (stage 12:
-    stage 11 on the bounded gate, stage 04 on the softplus gate) reports the one
-    its worst difference came from."""
+    """Worst error per (stage, output, previous stage compared with) over all cases (NaN counts as
+    inf). A stage compared with two (stage 12: stage 11 on the bounded gate, stage 04 on the softplus
+    gate) gets a row for each, over the cases of each: whether it holds the previous stage's bits
+    stays visible beside the larger difference from the other."""
     out: dict = {}
     for r in rows:
-        w = out.setdefault((r["stage"], r["output"]), dict(stage=r["stage"], output=r["output"], err_ref=None,
-                                                          err_prev=None, prev=r["prev"], tol=r["tol"], ok=True,
-                                                          cases=0))
+        w = out.setdefault((r["stage"], r["output"], r["prev"]), dict(stage=r["stage"], output=r["output"], err_ref=None,
+                                                                      err_prev=None, prev=r["prev"], tol=r["tol"],
+                                                                      ok=True, cases=0))
         w["err_ref"] = worst([w["err_ref"], r["err_ref"]])
-        top = worst([w["err_prev"], r["err_prev"]])
-        if top is not None and top != worst([w["err_prev"]]):
-            w["prev"] = r["prev"]
-        w["err_prev"] = top
+        w["err_prev"] = worst([w["err_prev"], r["err_prev"]])
         if r.get("err_plain") is not None:
             w["err_plain"] = worst([w.get("err_plain"), r["err_plain"]])
         w["ok"] = w["ok"] and r["ok"]
         w["cases"] += 1
     return list(out.values())
+
+
+def vs_previous(rows) -> tuple:
+    """(err_prev, prev) of one stage's check rows for a one-line summary: the difference from the
+    stage before it in the ladder where it was compared with that stage, else the largest difference
+    and the stage it came from."""
+    rows = [r for r in rows if r.get("err_prev") is not None]
+    if not rows:
+        return None, None
+    name = rows[0]["stage"]
+    pid = previous(name[:2]) if name[:2].isdigit() else None
+    ladder = [r for r in rows if pid is not None and r.get("prev") == STAGE_DIRS.get(pid)]
+    pick = ladder or rows
+    top = worst(r["err_prev"] for r in pick)
+    return top, next(r["prev"] for r in pick if worst([r["err_prev"]]) == top)
 
 
 def check_profile(prof: dict, expected) -> list[str]:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from common.checks import summarize
+from common.checks import summarize, vs_previous
 from common.metrics import TOLERANCE, rel_err, worst
 
 
@@ -46,7 +46,7 @@ def test_worst_keeps_nan_and_inf():
 
 
 def test_summary_of_a_nan_row_is_not_zero():
-    rows = [dict(stage="s", output="o", err_ref=float("nan"), err_prev=None, prev=None, tol=1e-5, ok=False),
+    rows = [dict(stage="s", output="o", err_ref=float("nan"), err_prev=None, prev="p", tol=1e-5, ok=False),
             dict(stage="s", output="o", err_ref=1e-7, err_prev=float("nan"), prev="p", tol=1e-5, ok=False)]
     (w,) = summarize(rows)
     assert w["err_ref"] == math.inf and w["err_prev"] == math.inf and not w["ok"]
@@ -57,13 +57,17 @@ def test_tolerances_are_those_of_the_design():
     assert TOLERANCE == {"fp32": 1e-5, "bf16": 5e-3}
 
 
-def test_summary_names_the_stage_of_the_worst_difference():
-    """Stage 12 is compared with stage 11 (bounded gate) and stage 04 (softplus gate): the summary's
-    ``prev`` is the stage its worst err_prev came from, whichever row came first."""
-    rows = [dict(stage="12", output="o", err_ref=1e-3, err_prev=2e-3, prev="11", tol=5e-3, ok=True),
-            dict(stage="12", output="o", err_ref=1e-3, err_prev=4e-3, prev="04", tol=5e-3, ok=True),
-            dict(stage="12", output="o", err_ref=1e-3, err_prev=3e-3, prev="11", tol=5e-3, ok=True)]
-    (w,) = summarize(rows)
-    assert (w["err_prev"], w["prev"]) == (4e-3, "04")
-    (w,) = summarize(rows[::-1][:1] + rows[:1])
-    assert (w["err_prev"], w["prev"]) == (3e-3, "11")
+def test_summary_keeps_a_row_per_stage_compared_with():
+    """Stage 12 is compared with stage 11 (bounded gate) and stage 04 (softplus gate): the summary keeps
+    a row for each, so that stage 11's bits (0 difference) are not hidden by the larger difference
+    from 04; the one-line summary (vs_previous) names the ladder's previous stage where there is one."""
+    rows = [dict(stage="12_softplus", output="o", err_ref=1e-3, err_prev=0.0, prev="11_varlen", tol=5e-3, ok=True),
+            dict(stage="12_softplus", output="o", err_ref=2e-3, err_prev=4e-3, prev="04_warp", tol=5e-3, ok=True),
+            dict(stage="12_softplus", output="o", err_ref=3e-3, err_prev=0.0, prev="11_varlen", tol=5e-3, ok=True)]
+    by = {w["prev"]: w for w in summarize(rows)}
+    assert set(by) == {"11_varlen", "04_warp"}
+    assert (by["11_varlen"]["err_prev"], by["11_varlen"]["err_ref"], by["11_varlen"]["cases"]) == (0.0, 3e-3, 2)
+    assert (by["04_warp"]["err_prev"], by["04_warp"]["cases"]) == (4e-3, 1)
+    assert vs_previous(summarize(rows)) == (0.0, "11_varlen")
+    assert vs_previous(rows[1:2]) == (4e-3, "04_warp")
+    assert vs_previous([dict(rows[0], err_prev=None)]) == (None, None)
