@@ -1242,7 +1242,7 @@ def _stage_records(stage_id, key: str, say: bool = True):
     sid = normalize(stage_id)
     names = record_names(declared_records(key)[sid])
     data = [results.recorded(n) for n in names]
-    paths = [f"results/h200/{n}.json" for n in names]
+    paths = [os.path.normpath(f"results/h200/{n}.json") for n in names]
     missing = [p for p, d in zip(paths, data) if d is None]
     if missing:
         raise FileNotFoundError(f"stage {sid} declares RECORDS[{key!r}], and {', '.join(missing)} is not there")
@@ -1646,10 +1646,11 @@ def summit_table(stage_id="12"):
     v = summit_verdict(rows)
     worst = max(r["last / 11 worst"] for r in rows if r["last / 11 worst"] is not None)
     print(f"bounded gate: at most {v['bounded_worst']:.3f}x stage 11's GPU time (median of "
-          f"{min(r['rounds'] for r in rows)}+ rounds; bound {SUMMIT_BOUND}x: "
+          f"{min(r['rounds'] for r in rows)} rounds; bound {SUMMIT_BOUND}x: "
           f"{'met at every shape' if v['bounded_ok'] else 'exceeded at ' + ', '.join(v['bounded_over'])}; "
           f"slowest single round {worst:.3f}x); stage 11's bits at every shape: {v['bitwise']}. "
-          f"Softplus gate: at most {v['softplus_worst']:.3f}x the earlier kernel's time.")
+          f"Softplus gate: at most {v['softplus_worst']:.3f}x the earlier kernel's time"
+          + (f" (slower at {', '.join(v['softplus_slower'])})." if v["softplus_slower"] else "."))
     cols = ["shape", "11 ms", "last ms", "last / 11", "last / 11 worst", "bitwise 11", "FlashKDA ms",
             "last / FlashKDA", "softplus ms", "before ms", "now / before"]
     table = pd.DataFrame([{c: r[c] for c in cols} for r in rows]).set_index("shape")

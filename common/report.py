@@ -72,7 +72,7 @@ def _recorded_errors(stage_name: str):
     own = [r for r in rows if r.get("stage") == stage_name and "err_ref" in r]
     if not own:
         return None, None, None
-    return worst(r["err_ref"] for r in own), worst(r["err_prev"] for r in own), own[0].get("prev")
+    return (worst(r["err_ref"] for r in own), *checks.vs_previous(own))
 
 
 def _at(rows, shape):
@@ -299,7 +299,7 @@ def tour(stage_ids, *, out_dir: Path, quick: bool = False, say=print, record: bo
             where += "; times recorded" if at is not None else ""
         summary.append(dict(stage=spec.name, regime=reg, where=("" if stage_ok else "FAILED, ") + where,
                             err_ref=worst(r["err_ref"] for r in worst_rows),
-                            err_prev=worst(r["err_prev"] for r in worst_rows), prev=worst_rows[0]["prev"],
+                            **dict(zip(("err_prev", "prev"), checks.vs_previous(worst_rows))),
                             fwd_ms=bench.best_ms(at) if at else None, bwd_ms=bench.best_ms(at, "bwd") if at else None))
         md.append(f"## {spec.name}: {spec.title}\n\nChecks ({len(cases)} cases, worst per output):\n\n"
                   + checks.format_rows(worst_rows, columns=("output", "err_ref", "err_prev", "tol", "ok")) + "\n"
@@ -422,9 +422,8 @@ def correctness_markdown() -> str:
                 ref = f"{by['o']['err_ref']:.1e} (o), {by['S']['err_ref']:.1e} (state)"
             else:
                 ref = f"{worst(r['err_ref'] for r in own):.1e}"
-            p = worst(r["err_prev"] for r in own)
-            prev = "-" if p is None else (f"bitwise equal to {own[0]['prev']}" if p == 0
-                                          else f"{p:.1e} vs {own[0]['prev']}")
+            p, pname = checks.vs_previous(own)
+            prev = "-" if p is None else (f"bitwise equal to {pname}" if p == 0 else f"{p:.1e} vs {pname}")
             lines.append(f"| {name} | {ref} | {prev} | {data['meta']['device']}, {len(own)} outputs x "
                          f"{own[0]['cases']} cases |")
         fk = {r["output"]: r for r in data["rows"] if r.get("stage") == results.FLASHKDA and "err_ref" in r}
@@ -510,12 +509,18 @@ def stage_measured_markdown(stage_name: str) -> str:
         data = results.recorded("checks", sub)
         own = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name and "err_ref" in r]
         if own:
-            out.append(f"Checks ({results.label(data['meta'])}): worst relative error per output over "
-                       f"{own[0]['cases']} cases, tolerance {own[0]['tol']:g}.\n")
+            prevs = list(dict.fromkeys(r["prev"] for r in own))
             e = lambda v: "-" if v is None else f"{v:.2e}"  # noqa: E731
             cols, heads = ["output", "err_ref"], ["output", "vs fp64 reference"]
-            if own[0]["prev"]:
-                cols, heads = cols + ["err_prev"], heads + [f"vs {own[0]['prev']}"]
+            if len(prevs) == 1:
+                out.append(f"Checks ({results.label(data['meta'])}): worst relative error per output over "
+                           f"{own[0]['cases']} cases, tolerance {own[0]['tol']:g}.\n")
+                if prevs[0]:
+                    cols, heads = cols + ["err_prev"], heads + [f"vs {prevs[0]}"]
+            else:  # compared with more than one stage (by gate): a row per output and stage compared with
+                out.append(f"Checks ({results.label(data['meta'])}): worst relative error per output and stage "
+                           f"compared with, over its cases, tolerance {own[0]['tol']:g}.\n")
+                cols, heads = cols + ["prev", "err_prev", "cases"], heads + ["compared with", "difference", "cases"]
             out.append(md_table([dict(r, err_ref=e(r["err_ref"]), err_prev=e(r["err_prev"])) for r in own], cols, heads))
         fla = [r for r in (data or {}).get("rows", []) if r.get("stage") == stage_name and "err_fla" in r]
         if fla:

@@ -198,7 +198,7 @@ def declared_records(key: str) -> dict:
 
 
 def record_names(decl) -> list[str]:
-    """The record files (names under results/h200/, without .json) of one ``RECORDS`` entry: a name, a list of
+    """The record files (names under results/h200/, without .json; "../h100/..." for another device's folder) of one ``RECORDS`` entry: a name, a list of
     names, or a dict that names them under "table", "profile" and "file"."""
     if isinstance(decl, str):
         return [decl]

@@ -36,9 +36,12 @@ SOURCES = ["kda.cu", "binding.cpp"]
 TOLERANCE = dict(o=5e-3, S=5e-3)
 
 # A bounded gate runs stage 11's instantiation of the kernels (factored products, u rounded once), so it
-# gives stage 11's bits: declared here, every check then fails on any difference (common.checks.judge);
-# tests/test_gpu_stages.py test_bounded_gate_is_stage_11_bitwise checks it at the benchmark shapes too.
-SAME_BITS_AS_PREVIOUS = True
+# gives stage 11's bits: at every bounded check case and benchmark shape on an H100 (results/h100/stage12/:
+# checks_c9f36c0.json, summit_c9f36c0.json; tests/test_gpu_stages.py test_bounded_gate_is_stage_11_bitwise).
+# Not declared yet: the H200 checks record (results/h200/checks.json) summarised each output over both gates
+# under one label, so it shows 12's difference from stage 04 (softplus cases) as if from 11, and declaring
+# the bits would fail it. Declare once an H200 checks record of rows per stage compared with exists.
+SAME_BITS_AS_PREVIOUS = False
 
 SPEC = StageSpec(
     name="12_softplus",
@@ -189,7 +192,9 @@ RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
                race=dict(file="stage12/ring_race_25a6d0c",
                          slots={"stage": "12 (25a6d0c as built)", "r4": "4", "r6": "6", "r7": "7", "r8": "8",
                                 "r12": "12", "r8f": "8, barriers first", "r12f": "12, barriers first"}),
-               softplus_paths="stage12/softplus_paths_call2", bounded_before="stage12/softplus_a5d5e41")
+               softplus_paths="stage12/softplus_paths_call2", bounded_before="stage12/softplus_a5d5e41",
+               # the summit beside stage 11, FlashKDA and the earlier kernel (3b2c921), 3 rounds, on an H100
+               summit="../h100/stage12/summit_c9f36c0")
 
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
