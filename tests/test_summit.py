@@ -44,3 +44,16 @@ def test_softplus_now_against_before_and_bitwise():
     assert v["softplus_slower"] == [rows[0]["shape"]] and abs(v["softplus_worst"] - 1 / 0.98) < 1e-12
     assert not v["bitwise"]
     assert report.summit_verdict(report.summit_rows(_record((1.0, 1.0))))["bitwise"]
+
+
+def test_notebook_12_shows_its_declared_summit_record(capsys):
+    from common import notebook as nb
+    from common.stages import declared_records
+
+    styled = nb.summit_table("12")
+    out = capsys.readouterr().out
+    name = declared_records("summit")["12"]
+    assert f"{name.split('/')[-1]}.json" in out and "bound 1.02x" in out
+    rows = report.summit_rows(nb.results.recorded(name))
+    assert list(styled.data.index) == [r["shape"] for r in rows]
+    assert list(styled.data["last / 11"]) == [r["last / 11"] for r in rows]
