@@ -36,11 +36,11 @@ SOURCES = ["kda.cu", "binding.cpp"]
 TOLERANCE = dict(o=5e-3, S=5e-3)
 
 # A bounded gate runs stage 11's instantiation of the kernels (factored products, u rounded once), so it
-# gives stage 11's bits: at every bounded check case and benchmark shape on an H100 (results/h100/stage12/:
-# checks_c9f36c0.json, summit_c9f36c0.json; tests/test_gpu_stages.py test_bounded_gate_is_stage_11_bitwise).
-# Not declared yet: the H200 checks record (results/h200/checks.json) summarised each output over both gates
-# under one label, so it shows 12's difference from stage 04 (softplus cases) as if from 11, and declaring
-# the bits would fail it. Declare once an H200 checks record of rows per stage compared with exists.
+# gives stage 11's bits: 0 difference on every bounded check case (an H100, results/h100/stage12/checks_975a0a6.json,
+# a row per stage compared with) and at every summit shape (summit_c9f36c0.json; tests/test_gpu_stages.py
+# test_bounded_gate_is_stage_11_bitwise). Not declared yet: the H200 checks record (results/h200/checks.json)
+# summarised each output over both gates under one label, showing 12's difference from stage 04 (softplus cases)
+# as if from 11, and declaring the bits would fail it. Declare once an H200 record keyed like checks_975a0a6 exists.
 SAME_BITS_AS_PREVIOUS = False
 
 SPEC = StageSpec(
