@@ -502,8 +502,8 @@ def vs_previous(rows) -> tuple:
     if not rows:
         return None, None
     name = rows[0]["stage"]
-    pid = previous(name[:2]) if name[:2].isdigit() else None
-    ladder = [r for r in rows if pid is not None and r.get("prev") == STAGE_DIRS.get(pid)]
+    pid = previous(name) if name in STAGE_DIRS.values() else None
+    ladder = [r for r in rows if pid is not None and r.get("prev") == STAGE_DIRS[pid]]
     pick = ladder or rows
     top = worst(r["err_prev"] for r in pick)
     return top, next(r["prev"] for r in pick if worst([r["err_prev"]]) == top)

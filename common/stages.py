@@ -198,8 +198,9 @@ def declared_records(key: str) -> dict:
 
 
 def record_names(decl) -> list[str]:
-    """The record files (names under results/h200/, without .json; "../h100/..." for another device's folder) of one ``RECORDS`` entry: a name, a list of
-    names, or a dict that names them under "table", "profile" and "file"."""
+    """The record files (names under results/h200/, without .json; "../h100/..." for another device's
+    folder) of one ``RECORDS`` entry: a name, a list of names, or a dict that names them under "table",
+    "profile" and "file"."""
     if isinstance(decl, str):
         return [decl]
     if isinstance(decl, dict):

@@ -89,7 +89,7 @@ def before_rows(before: Path, shapes_arg, rnd: int) -> list[dict]:
     measure what the subprocess itself does to a time: the control.)"""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "before.json"
-        env = dict(os.environ, KDALAB_STAGES_DIR=str(before.resolve()), 
+        env = dict(os.environ, KDALAB_STAGES_DIR=str(before.resolve()),
                    KDALAB_BUILD=os.environ.get("KDALAB_BEFORE_BUILD", "/tmp/kdalab_build_before"))
         cmd = [sys.executable, __file__, "--parts", "softplus", "--rounds", "1", "--label", "before",
                "--out", str(out)] + (["--shapes", shapes_arg] if shapes_arg else [])

@@ -71,3 +71,17 @@ def test_summary_keeps_a_row_per_stage_compared_with():
     assert vs_previous(summarize(rows)) == (0.0, "11_varlen")
     assert vs_previous(rows[1:2]) == (4e-3, "04_warp")
     assert vs_previous([dict(rows[0], err_prev=None)]) == (None, None)
+
+
+def test_a_stage_readme_shows_a_row_per_stage_compared_with(monkeypatch):
+    from common import report, results
+
+    rows = [dict(stage="12_softplus", output="o", err_ref=4.1e-3, err_prev=0.0, prev="11_varlen", tol=5e-3, ok=True,
+                 cases=7),
+            dict(stage="12_softplus", output="o", err_ref=3.9e-3, err_prev=4.2e-3, prev="04_warp", tol=5e-3, ok=True,
+                 cases=4)]
+    data = dict(meta=dict(device="GPU", date="2026-12-06 02:09 UTC", commit="abc1234"), rows=rows)
+    monkeypatch.setattr(results, "recorded", lambda name, sub="h200": data if (name, sub) == ("checks", "h200") else None)
+    md = report.stage_measured_markdown("12_softplus")
+    assert "| compared with | difference | cases |" in md
+    assert "| o | 4.10e-03 | 11_varlen | 0.00e+00 | 7 |" in md and "| o | 3.90e-03 | 04_warp | 4.20e-03 | 4 |" in md
