@@ -755,7 +755,9 @@ def summit_rows(data: dict) -> list[dict]:
     - bounded gate: stage 11, the last stage, FlashKDA; ``last / 11`` (and ``last / 11 worst``);
       ``bitwise 11``: the last stage's outputs were stage 11's bits in every round;
     - softplus gate: the last stage now and the earlier kernel (``kernel == "before"``);
-      ``now / before`` (and ``now / before worst``).
+      ``now / before`` (and ``now / before worst``); with ``--control`` rows (``kernel ==
+      "control"``: today's kernel timed from a subprocess, as the earlier one is) ``control /
+      before``, the two kernels timed the same way.
     """
     from statistics import median
 
@@ -764,8 +766,8 @@ def summit_rows(data: dict) -> list[dict]:
     by: dict = {}
     for r in data["rows"]:
         who = {"11_varlen": "11", "FlashKDA": "FlashKDA"}.get(r["stage"], "last")
-        if r.get("kernel") == "before":
-            who = "before"
+        if r.get("kernel") in ("before", "control"):
+            who = r["kernel"]
         by.setdefault(shape_label(r), {}).setdefault((r["part"], who), {})[r.get("round", 0)] = r
 
     def ms(d, key):
@@ -781,13 +783,15 @@ def summit_rows(data: dict) -> list[dict]:
         bd, sp = ("bounded", "last"), ("softplus", "last")
         r11, rfk, rbf = ratios(d, bd, ("bounded", "11")), ratios(d, bd, ("bounded", "FlashKDA")), \
             ratios(d, sp, ("softplus", "before"))
+        rcb = ratios(d, ("softplus", "control"), ("softplus", "before"))
         out.append({"shape": lab, "rounds": max(len(v) for v in d.values()),
                     "11 ms": ms(d, ("bounded", "11")), "last ms": ms(d, bd), "FlashKDA ms": ms(d, ("bounded", "FlashKDA")),
                     "last / 11": median(r11) if r11 else None, "last / 11 worst": max(r11, default=None),
                     "last / FlashKDA": median(rfk) if rfk else None,
                     "bitwise 11": all(x.get("equal_to_11") for x in d[bd].values()) if bd in d else None,
                     "softplus ms": ms(d, sp), "before ms": ms(d, ("softplus", "before")),
-                    "now / before": median(rbf) if rbf else None, "now / before worst": max(rbf, default=None)})
+                    "now / before": median(rbf) if rbf else None, "now / before worst": max(rbf, default=None),
+                    "control / before": median(rcb) if rcb else None})
     return out
 
 

@@ -9,12 +9,13 @@ same inputs (drawn on the GPU, h0 present):
 - part ``softplus``: the last stage with Kimi Linear's softplus gate; with ``--before DIR``
   also the same part for the stage directory of an earlier commit (DIR holds it as
   DIR/12_softplus), run in a subprocess (its own build directory) after each round of this
-  process's rows, labelled ``before``.
+  process's rows, labelled ``before``; with ``--control`` today's stage the same way (a
+  subprocess on this process's build), labelled ``control``: the like-for-like comparison.
 
 Each row: GPU time (CUDA-graph replay where it captures; CUDA events otherwise), the
 eager time and the peak memory of one call (common.bench._timed, peak_mb).
 
-    python scripts/bench_summit.py --out $OUT/summit.json [--rounds 2] [--before .before]
+    python scripts/bench_summit.py --out $OUT/summit.json [--rounds 2] [--before .before] [--control]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_softplus import gpu_inputs, say, timing_row  # noqa: E402
 from common.bench import TC_GPU_SHAPES  # noqa: E402
+from common.paths import BUILD_DIR, STAGES_DIR  # noqa: E402
 from common.results import metadata, save  # noqa: E402
 from common.stages import load_stage, stage_ids  # noqa: E402
 
@@ -82,19 +84,20 @@ def softplus_rows(shapes, rnd, last, on_row, label=None) -> None:
         torch.cuda.empty_cache()
 
 
-def before_rows(before: Path, shapes_arg, rnd: int) -> list[dict]:
+def before_rows(before: Path, shapes_arg, rnd: int, label: str = "before", build: str | None = None) -> list[dict]:
     """One round of the softplus part on the stage directory ``before`` (an earlier commit's), in a
-    subprocess with its own build directory ($KDALAB_BEFORE_BUILD, default /tmp/kdalab_build_before);
-    rounds alternate with this process's. (With DIR a copy of today's stage directory, the rows
-    measure what the subprocess itself does to a time: the control.)"""
+    subprocess with its own build directory (``build``; default $KDALAB_BEFORE_BUILD, else
+    /tmp/kdalab_build_before); rounds alternate with this process's. With ``before`` today's
+    stages/ and this process's build directory (``--control``: nothing is rebuilt), the rows,
+    labelled ``control``, measure what running in a subprocess does to a time."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "before.json"
         env = dict(os.environ, KDALAB_STAGES_DIR=str(before.resolve()),
-                   KDALAB_BUILD=os.environ.get("KDALAB_BEFORE_BUILD", "/tmp/kdalab_build_before"))
-        cmd = [sys.executable, __file__, "--parts", "softplus", "--rounds", "1", "--label", "before",
+                   KDALAB_BUILD=build or os.environ.get("KDALAB_BEFORE_BUILD", "/tmp/kdalab_build_before"))
+        cmd = [sys.executable, __file__, "--parts", "softplus", "--rounds", "1", "--label", label,
                "--out", str(out)] + (["--shapes", shapes_arg] if shapes_arg else [])
         rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
-        say(f"the earlier kernel ({before}), round {rnd}: rc={rc}")
+        say(f"the {label} kernel ({before}), round {rnd}: rc={rc}")
         return [dict(r, round=rnd) for r in json.loads(out.read_text())["rows"]] if out.exists() else []
 
 
@@ -105,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="indices into the shape list (TC_GPU_SHAPES + MORE_SHAPES)")
     ap.add_argument("--rounds", type=int, default=2, help="the sweep this many times in turn (rows carry round)")
     ap.add_argument("--before", default=None, help="a stage directory of an earlier commit: its softplus rows too")
+    ap.add_argument("--control", action="store_true",
+                    help="also today's softplus rows from a subprocess (label control), as --before runs its own")
     ap.add_argument("--label", default=None, help="the softplus rows' kernel label (the --before subprocess)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -133,6 +138,9 @@ def main(argv=None) -> int:
                 ap.error(f"unknown part {part!r}: bounded, softplus")
         if args.before:
             for r in before_rows(Path(args.before), args.shapes, rnd):
+                on_row(r)
+        if args.control:
+            for r in before_rows(STAGES_DIR, args.shapes, rnd, label="control", build=str(BUILD_DIR)):
                 on_row(r)
     say(f"wrote {out}: {len(rows)} rows")
     return 0

@@ -57,3 +57,12 @@ def test_notebook_12_shows_its_declared_summit_record(capsys):
     rows = report.summit_rows(nb.results.recorded(name))
     assert list(styled.data.index) == [r["shape"] for r in rows]
     assert list(styled.data["last / 11"]) == [r["last / 11"] for r in rows]
+
+
+def test_control_rows_stay_apart_from_the_in_process_rows():
+    # today's kernel timed from a subprocess (kernel "control") must not be taken for the in-process row
+    rec = _record((1.0, 1.0), before_ms=(0.98, 0.98))
+    rec["rows"] += [_row("softplus", "12_softplus", 0.97, rnd, kernel="control") for rnd in range(2)]
+    (row,) = report.summit_rows(rec)
+    assert row["softplus ms"] == 1.0 and abs(row["now / before"] - 1 / 0.98) < 1e-12
+    assert abs(row["control / before"] - 0.97 / 0.98) < 1e-12
