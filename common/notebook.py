@@ -1635,13 +1635,15 @@ def bounded_pairwise(stage_id="12"):
                                 | {f"pairwise rel. diff vs {pid}": "{:.1e}"})
 
 
-def summit_table(stage_id="12"):
-    """The last stage beside stage 11 and FlashKDA on the bounded gate, and beside its earlier kernel with the
+def summit_table(stage_id=None):
+    """The last stage (default: the ladder's, stages.last_stage) beside stage 11 and FlashKDA on the bounded gate, and beside its earlier kernel with the
     softplus gate (RECORDS["summit"], scripts/bench_summit.py: one call, the same inputs per shape and round),
     judged by report.summit_rows / summit_verdict: ratios within a round, the median over rounds."""
     from .report import SUMMIT_BOUND, summit_rows, summit_verdict
 
-    (data,), _ = _stage_records(stage_id, "summit")
+    from .stages import last_stage
+
+    (data,), _ = _stage_records(stage_id or last_stage(), "summit")
     rows = summit_rows(data)
     v = summit_verdict(rows)
     worst = max(r["last / 11 worst"] for r in rows if r["last / 11 worst"] is not None)
@@ -1653,10 +1655,13 @@ def summit_table(stage_id="12"):
           + (f" (slower at {', '.join(v['softplus_slower'])})." if v["softplus_slower"] else "."))
     cols = ["shape", "11 ms", "last ms", "last / 11", "last / 11 worst", "bitwise 11", "FlashKDA ms",
             "last / FlashKDA", "softplus ms", "before ms", "now / before"]
+    if any(r["control / before"] is not None for r in rows):  # today's kernel also timed as the earlier one was
+        cols.append("control / before")
     table = pd.DataFrame([{c: r[c] for c in cols} for r in rows]).set_index("shape")
     return table.style.format({c: "{:.4f}" for c in ("11 ms", "last ms", "FlashKDA ms", "softplus ms", "before ms")}
                               | {c: "{:.3f}" for c in ("last / 11", "last / 11 worst", "last / FlashKDA",
-                                                        "now / before")}, na_rep="-")
+                                                        "now / before", "control / before") if c in cols},
+                              na_rep="-")
 
 
 def softplus_paths(stage_id="12"):

@@ -1,8 +1,7 @@
 """Each stage notebook reads as a chapter: at most 700 words of markdown prose.
 
 The count: the notebook's markdown cells joined, ``` fenced blocks dropped, lines starting with '|' (tables)
-dropped, the rest split on whitespace. PENDING lists the chapters being regrouped; they are skipped, and a
-test fails once one of them is within the limit, so that the list only shrinks.
+dropped, the rest split on whitespace.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 LIMIT = 700
-PENDING: set = set()  # chapters being regrouped (none left)
 
 STAGES = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
@@ -34,21 +32,12 @@ def words_of(stage: str) -> int:
 
 def test_the_stage_notebooks_are_found():
     assert "00_naive" in STAGES and len(STAGES) >= 10
-    assert PENDING <= set(STAGES), "a PENDING chapter that no longer exists: drop it from PENDING"
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_notebook_prose_within_limit(stage):
-    if stage in PENDING:
-        pytest.skip(f"{stage}: pending, the chapters being regrouped")
     n = words_of(stage)
     assert n <= LIMIT, f"{stage}: {n} words of markdown prose, more than {LIMIT}"
-
-
-@pytest.mark.parametrize("stage", sorted(PENDING))
-def test_pending_notebooks_are_still_over_the_limit(stage):
-    n = words_of(stage)
-    assert n > LIMIT, f"{stage} is within {LIMIT} words ({n}): remove it from PENDING"
 
 
 def test_the_count_drops_tables_and_fenced_blocks():
