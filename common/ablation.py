@@ -147,7 +147,10 @@ def _shape_of(r) -> tuple:
 def bought(rows) -> list[dict]:
     """Per ablation: how much slower the stage is without the idea (the idea's
     gain), forward and (where timed) backward, against the full stage at the
-    same shape, and the region that moved most (per block cycles, variant - full)."""
+    same shape, its peak memory either way, and where it shows: the profile region it
+    shrank most (per block, variant - full: where the cycles went, a wait included), or
+    the region the stage declares for it (``Ablation.region``) where it shrank none
+    (``region_shrank`` False)."""
     fulls = {_shape_of(r): r for r in rows if r["variant"] == "full"}
     out = []
     for r in rows:
@@ -164,8 +167,14 @@ def bought(rows) -> list[dict]:
                 d[f"{y}_ms_without"], d[f"{y}_ms_with"], d[f"{y}_speedup"] = a, b, a / b
         region = r["region"]
         pf, pv = full.get("profile") or {}, r.get("profile") or {}
+        # where the idea shows: the region it shrank most (without - with, per block), measured; the region
+        # the stage declares for it (Ablation.region) where none shrank
+        saved = {k: pv[k] - pf[k] for k in pf.keys() & pv.keys() if pv[k] > pf[k] > 0}
+        if saved:
+            region = max(saved, key=saved.get)
         if region in pf or region in pv:
             d["region"] = region
             d["region_without"], d["region_with"] = pv.get(region, 0.0), pf.get(region, 0.0)
+            d["region_shrank"] = bool(saved)
         out.append(d)
     return out

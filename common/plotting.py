@@ -231,6 +231,9 @@ def plot_bars(rows, *, x: str, y: str, by: str, title: str = "", ax=None, logy: 
     return ax
 
 
+MEMORY_GAIN = 1.5  # an ablation whose peak memory grows this much shows it beside its time (its gain is memory)
+
+
 def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought", unit: str = "cycles", axes=None):
     """Two panels for a stage's ablations (common.ablation.bought rows).
 
@@ -238,9 +241,11 @@ def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought"
     the stage's time with every idea on, at the same shape (the shape is in the
     label: an idea is measured where it runs), one bar per idea and direction,
     with both times written at the bar's end; a line at 1 (above it: the idea
-    pays); a log axis only when the ratios span more than 10x. ``full_ms`` is
-    kept for the caller's title. Right: the profile region each idea moved, with
-    and without it (per block, ``unit``, log axis), in that region's colour."""
+    pays); a log axis only when the ratios span more than 10x; an idea whose gain is
+    memory (peak MEMORY_GAIN x or more without it) gets a grey bar of its peak memory
+    too. ``full_ms`` is kept for the caller's title. Right: the profile region each
+    idea shrank most (ablation.bought), with and without it (per block, ``unit``, log
+    axis), in that region's colour."""
     import textwrap
 
     n_dirs = 1 + any(b.get("bwd_ms_without") is not None for b in bought)
@@ -262,7 +267,15 @@ def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought"
             colors.append(region_color(b["region"]) if b.get("region") else "#999999")
             notes.append(f"x{b[f'{y}_speedup']:.2f}  ({format_ms(b[f'{y}_ms_without'])} without, "
                          f"{format_ms(b[f'{y}_ms_with'])} with){bad}")
+    for b in bought:  # an idea whose gain is memory: its peak memory too (MEMORY_GAIN or more)
+        if b.get("peak_mb_with") and b.get("peak_mb_without", 0) / b["peak_mb_with"] >= MEMORY_GAIN:
+            at = f", {b['shape']}" if len(shapes) > 1 and b.get("shape") else ""
+            labels.append(wrap(f"{b['idea']} (peak memory{at})"))
+            vals.append(b["peak_mb_without"] / b["peak_mb_with"])
+            colors.append("#bbbbbb")
+            notes.append(f"x{vals[-1]:.2f}  ({b['peak_mb_without']:.0f} MB without, {b['peak_mb_with']:.0f} MB with)")
     ys = list(range(len(labels)))
+    what = "time (grey: peak memory)" if "#bbbbbb" in colors else "time"
     ax.barh(ys, vals, color=colors, height=0.7)
     for yv, v, n in zip(ys, vals, notes):
         ax.text(v, yv, "  " + n, va="center", fontsize=8)
@@ -272,10 +285,10 @@ def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought"
     if vals and max(vals) / min(vals) > 10:
         ax.set_xscale("log")
         ax.set_xlim(min(min(vals), 1.0) / 1.5, max(vals) * 8)
-        ax.set_xlabel("time without the idea / with it (log axis; above 1: the idea pays)")
+        ax.set_xlabel(f"{what} without the idea / with it (log axis; above 1: the idea pays)")
     else:
         ax.set_xlim(0, max(vals + [1.0]) * 2.3)
-        ax.set_xlabel("time without the idea / with it (above 1: the idea pays)")
+        ax.set_xlabel(f"{what} without the idea / with it (above 1: the idea pays)")
     ax.set_title(title, fontsize=10)
     moved = [b for b in bought if b.get("region")]
     ys = list(range(len(moved)))
@@ -283,7 +296,9 @@ def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought"
             color=[region_color(b["region"]) for b in moved], label="with the idea")
     bx.barh([y + 0.18 for y in ys], [max(b["region_without"], 1.0) for b in moved], height=0.36,
             color=[region_color(b["region"]) for b in moved], alpha=0.45, hatch="//", label="without it")
-    bx.set_yticks(ys, [wrap(f"{b['region']} (without {b['idea']})") for b in moved], fontsize=7)
+    bx.set_yticks(ys, [wrap(f"{b['region']} (without {b['idea']})"
+                            + ("" if b.get("region_shrank", True) else "; no region shrank")) for b in moved],
+                  fontsize=7)
     bx.invert_yaxis()
     bx.set_xscale("log")
     lo = min([max(b["region_with"], 1.0) for b in moved] + [max(b["region_without"], 1.0) for b in moved] or [1.0])
@@ -291,7 +306,7 @@ def plot_ablation(bought, full_ms: dict, *, title: str = "What each idea bought"
     bx.set_xlim(lo / 4, hi * 2)
     bx.set_xlabel(("seconds" if unit == "s" else "cycles per block (clock64)") + ", log axis")
     bx.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    bx.set_title("where it shows", fontsize=10)
+    bx.set_title("where it shows: the region each idea shrank most", fontsize=10)
     ax.figure.tight_layout()
     return ax
 

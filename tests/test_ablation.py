@@ -77,6 +77,33 @@ def test_bought_is_the_slowdown_without_the_idea():
     assert "bwd_speedup" not in b  # a forward-only stage has no backward column
 
 
+def test_where_it_shows_is_the_region_the_idea_shrank_most():
+    # declared region grew with the idea; another shrank: the panel shows the one that shrank
+    full, off = _rows()
+    off = dict(off, region="K2: w@S", profile={"K2: wait for operands": 3000.0, "K2: w@S": 400.0})
+    (b,) = ablation.bought([full, off])
+    assert b["region"] == "K2: wait for operands" and b["region_shrank"]
+    assert (b["region_with"], b["region_without"]) == (1000.0, 3000.0)
+    # nothing shrank: the declared region, said so
+    off = dict(off, profile={"K2: wait for operands": 900.0, "K2: w@S": 400.0})
+    (b,) = ablation.bought([full, off])
+    assert b["region"] == "K2: w@S" and not b["region_shrank"]
+
+
+def test_an_idea_whose_gain_is_memory_shows_its_peak():
+    import matplotlib
+    matplotlib.use("Agg")
+    from common.plotting import plot_ablation
+
+    full, off = _rows()
+    full, off = dict(full, peak_mb=100.0), dict(off, peak_mb=400.0)
+    ax = plot_ablation(ablation.bought([full, off]), {})
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert any("peak memory" in t for t in labels) and len(labels) == 2
+    ax = plot_ablation(ablation.bought([dict(full, peak_mb=400.0), off]), {})  # same peak: time only
+    assert len(ax.get_yticklabels()) == 1
+
+
 def test_failed_variant_is_reported_as_failed(monkeypatch):
     """Negative control: a variant that failed its checks shows FAILED in the
     README block and the notebook table, never a plain number."""
