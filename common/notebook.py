@@ -251,14 +251,20 @@ def fla_error_table(stage_id) -> pd.DataFrame:
 def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
     """The region profile of a stage next to the previous one (same unit only),
     one bar per kernel or direction: each region's share, the bar's total at
-    its right. Live when possible, else recorded."""
+    its right. Live when possible, else recorded: from results/h200/profiles.json,
+    or from the record the stage declares as RECORDS["region_profile"] (both
+    stages from one call)."""
     ids = [stage_id]
     pid = previous(stage_id)
     if compare_previous and pid is not None:
         ids.insert(0, pid)
     unit = load_stage(stage_id).SPEC.region_unit
     profs, notes = {}, []
-    meta, rec = _recorded("profiles")
+    if normalize(stage_id) in declared_records("region_profile"):  # the stage's own record: it and the one before
+        (data,), _ = _stage_records(stage_id, "region_profile", say=False)
+        meta, rec = data["meta"], data["rows"]
+    else:
+        meta, rec = _recorded("profiles")
     for sid in ids:
         spec = load_stage(sid).SPEC
         if spec.region_unit != unit:
@@ -1651,7 +1657,7 @@ def summit_table(stage_id=None):
           f"{min(r['rounds'] for r in rows)} rounds; bound {SUMMIT_BOUND}x: "
           f"{'met at every shape' if v['bounded_ok'] else 'exceeded at ' + ', '.join(v['bounded_over'])}; "
           f"slowest single round {worst:.3f}x); stage 11's bits at every shape: {v['bitwise']}. "
-          f"Softplus gate: at most {v['softplus_worst']:.3f}x the earlier kernel's time"
+          f"Softplus gate: at most {v['softplus_worst']:.3f}x the earlier kernel's time ({v['softplus_by']})"
           + (f" (slower at {', '.join(v['softplus_slower'])})." if v["softplus_slower"] else "."))
     cols = ["shape", "11 ms", "last ms", "last / 11", "last / 11 worst", "bitwise 11", "FlashKDA ms",
             "last / FlashKDA", "softplus ms", "before ms", "now / before"]
@@ -1662,6 +1668,31 @@ def summit_table(stage_id=None):
                               | {c: "{:.3f}" for c in ("last / 11", "last / 11 worst", "last / FlashKDA",
                                                         "now / before", "control / before") if c in cols},
                               na_rep="-")
+
+
+def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
+    """Where a gate without a bound costs, region by region (RECORDS["gate_profile"], scripts/profile_gates.py):
+    clock64 cycles per block of stage 11 and the last stage on the bounded gate and of the last stage with the
+    softplus gate, at one shape; ``softplus / bounded`` the last stage's two gates. Prints the regions that
+    moved by more than 5% either way."""
+    from .stages import last_stage
+
+    sid = normalize(stage_id or last_stage())
+    (data,), _ = _stage_records(sid, "gate_profile")
+    rows = [r for r in data["rows"] if bench.shape_label(r) == shape]
+    if not rows:
+        raise ValueError(f"the gate profile record has no rows at {shape}: "
+                         f"{sorted({bench.shape_label(r) for r in data['rows']})}")
+    table = pd.DataFrame([{"region": r["region"], "who": f"{r['stage'][:2]} {r['gate']}", "cycles": r["value"]}
+                          for r in rows]).pivot(index="region", columns="who", values="cycles")
+    table = table.loc[list(dict.fromkeys(r["region"] for r in rows))]
+    last = sid[:2]
+    table["softplus / bounded"] = table[f"{last} softplus"] / table[f"{last} bounded"]
+    moved = table["softplus / bounded"]
+    print(f"{shape}: the softplus gate against the bounded gate's instantiation, per block; moved by more than 5%: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in moved.items() if abs(v - 1) > 0.05))
+    return table.style.format({c: "{:,.0f}" for c in table.columns if c != "softplus / bounded"}
+                              | {"softplus / bounded": "{:.2f}"})
 
 
 def softplus_paths(stage_id="12"):

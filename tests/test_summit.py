@@ -66,3 +66,7 @@ def test_control_rows_stay_apart_from_the_in_process_rows():
     (row,) = report.summit_rows(rec)
     assert row["softplus ms"] == 1.0 and abs(row["now / before"] - 1 / 0.98) < 1e-12
     assert abs(row["control / before"] - 0.97 / 0.98) < 1e-12
+    # the verdict takes the like-for-like ratio where the record has it
+    v = report.summit_verdict([row])
+    assert v["softplus_by"] == "control / before" and v["softplus_slower"] == []
+    assert abs(v["softplus_worst"] - 0.97 / 0.98) < 1e-12

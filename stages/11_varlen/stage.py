@@ -132,7 +132,9 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
 # kernels over sequences: no fused profile of its own), the packed mixes, and its time at the tensor-core
 # shapes (bounded gate, measured beside stage 12 and FlashKDA).
 RECORDS = dict(paths=dict(table="stage11/paths_e242ae3"), varlen="stage11/varlen_hybrid_dacff50",
-               latency=dict(file="stage12/summit_c8a9662", part="bounded"))
+               latency=dict(file="stage12/summit_c8a9662", part="bounded"),
+               # the region profile beside stage 10's, both from one call (an H100, the profiles phase)
+               region_profile="../h100/stage12/profiles_c9f36c0")
 
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``

@@ -193,8 +193,11 @@ RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
                          slots={"stage": "12 (25a6d0c as built)", "r4": "4", "r6": "6", "r7": "7", "r8": "8",
                                 "r12": "12", "r8f": "8, barriers first", "r12f": "12, barriers first"}),
                softplus_paths="stage12/softplus_paths_call2", bounded_before="stage12/softplus_a5d5e41",
-               # the summit beside stage 11, FlashKDA and the earlier kernel (3b2c921), 3 rounds, on an H100
-               summit="../h100/stage12/summit_c9f36c0")
+               # the summit beside stage 11, FlashKDA and the earlier kernel (3b2c921), 3 rounds, today's softplus
+               # rows also timed from a subprocess as the earlier kernel's are (control), on an H100
+               summit="../h100/stage12/summit_db4ccfe",
+               # region profiles of 11 and 12 on the bounded gate and of 12 with the softplus gate, on an H100
+               gate_profile="../h100/stage12/profiles_gates_db4ccfe")
 
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
