@@ -1234,7 +1234,7 @@ def write_figures(root) -> list:
 # ---------------------------------------------------------------------------
 # Notebook 12's tables and figures: one chunk at the gate's extremes and the wide chunks of the benchmark's inputs
 # (on the CPU), then the H200 records its stage.py declares (RECORDS: accuracy, fla_speed, products, ring, race,
-# softplus_paths, bounded_before, summit), each table naming its record once.
+# bounded_before, summit, gate_profile), each table naming its record once.
 
 EXTREME_CHUNK = dict(K=64, T=32, seed=0)  # one head of the extreme checks' inputs, two chunks long
 WIDE_INPUTS = dict(B=1, T=8192, H=32, K=128, seed=0)  # Kimi Linear's shape, where wide chunks are counted on the CPU
@@ -1693,23 +1693,3 @@ def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
           + ", ".join(f"{k} {v:.2f}x" for k, v in moved.items() if abs(v - 1) > 0.05))
     return table.style.format({c: "{:,.0f}" for c in table.columns if c != "softplus / bounded"}
                               | {"softplus / bounded": "{:.2f}"})
-
-
-def softplus_paths(stage_id="12"):
-    """Each path and the rule with the softplus gate, GPU ms per shape (RECORDS["softplus_paths"], recorded before
-    the rule's last change): the fastest path and the rule's time over it; the rule's split width now."""
-    sid = normalize(stage_id)
-    (data,), _ = _stage_records(sid, "softplus_paths")
-    pp = _part(data, "paths")
-    paths = pd.DataFrame([{"shape": bench.shape_label(r), "path": r["path"], "ms": r["graph_ms"]} for r in pp])
-    paths = paths.pivot(index="shape", columns="path", values="ms")[list(dict.fromkeys(r["path"] for r in pp))]
-    paths = paths.loc[list(dict.fromkeys(bench.shape_label(r) for r in pp))]
-    fixed = paths.drop(columns="rule")
-    paths["fastest path"] = fixed.idxmin(axis=1)
-    paths["rule / fastest"] = paths["rule"] / fixed.min(axis=1)
-    print(f"fastest: {', '.join(sorted(set(paths['fastest path'])))} at all {len(paths)} shapes; the rule then took "
-          f"{paths['rule / fastest'].min():.2f}x to {paths['rule / fastest'].max():.2f}x its time")
-    print(f"the rule now: two compute warps per K2 block on the split path at V = 128 "
-          f"(stage.SPLIT_NCW_V128 = {load_stage(sid).SPLIT_NCW_V128})")
-    print("GPU ms per path (CUDA-graph replay)")
-    return paths.style.format({c: "{:.4f}" for c in fixed.columns} | {"rule": "{:.4f}", "rule / fastest": "{:.3f}"})

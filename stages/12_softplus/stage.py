@@ -182,7 +182,7 @@ RECORDS = dict(latency=dict(file="stage12/summit_c8a9662", part="bounded"))
 # The records notebook 12 shows (common.notebook, its stage 12 section): accuracy beside FLA per check case, with u
 # in two halves against once; the time beside FLA, in the order recorded (a shape's rows come from the last file
 # that times it); the choice per chunk against pair by pair in every chunk; K2's ring at K = 128 and at K = 64
-# (scripts/try_variants.py: the slots each variant built); the paths; the bounded gate, factored and pair by pair,
+# (scripts/try_variants.py: the slots each variant built); the bounded gate, factored and pair by pair,
 # beside stage 11 (an earlier kernel).
 RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
                fla_speed=["stage12/speed_e0f3dde", "stage12/speed_e0f3dde_b", "stage12/speed_h96_25a6d0c",
@@ -192,7 +192,7 @@ RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
                race=dict(file="stage12/ring_race_25a6d0c",
                          slots={"stage": "12 (25a6d0c as built)", "r4": "4", "r6": "6", "r7": "7", "r8": "8",
                                 "r12": "12", "r8f": "8, barriers first", "r12f": "12, barriers first"}),
-               softplus_paths="stage12/softplus_paths_call2", bounded_before="stage12/softplus_a5d5e41",
+               bounded_before="stage12/softplus_a5d5e41",
                # the summit beside stage 11, FlashKDA and the earlier kernel (3b2c921), 3 rounds, today's softplus
                # rows also timed from a subprocess as the earlier kernel's are (control), on an H100
                summit="../h100/stage12/summit_db4ccfe",
