@@ -1,5 +1,6 @@
 """Write docs/figures.json: for every measured figure in the prose, the record it
-quotes (common.prose). Entries that still hold are kept; a figure without one (new,
+quotes (common.prose). Entries that still hold are kept, also where the rest of a figure's
+line was edited (the same figure with the same words around it); a figure without one (new,
 or whose record changed) gets the record its context names best, among those whose
 value rounds to it; a figure no record gives is listed, to be written in
 NOT_MEASURED below with the reason, or fixed in the prose.
@@ -132,6 +133,13 @@ def not_measured(fig):
     return None
 
 
+def local(at: str, text: str, before: int = 16, after: int = 10) -> str:
+    """The words right around a figure in an entry's ``at`` snippet: what identifies it when the rest of its
+    line is edited (an entry bound by hand keeps its record then)."""
+    i = at.find(text)
+    return at if i < 0 else at[max(0, i - before):i + len(text) + after]
+
+
 def snippet(fig) -> str:
     return fig.line[max(0, fig.start - 40):fig.end + 12].strip()
 
@@ -154,10 +162,12 @@ def main(argv=None) -> int:
     binder = prose.Binder(table)
     keys = {prose.key_str(f.key) for f in figs}
     moved = {}  # (masked-line hash, index in line) -> an entry no figure uses any more
+    by_context = {}  # (document, figure, the text right around it) -> the entries no figure uses any more
     for k, e in old.items():
         if k not in keys and "not_measured" not in e:
             _, h, _, i = k.split("|")
             moved.setdefault((h, int(i)), e)
+            by_context.setdefault((k.split("|")[0], e["figure"], local(e["at"], e["figure"].split()[0])), []).append(e)
     out, kept, proposed, missing = [], 0, 0, []
     bound = {}  # figure key -> its entry, values first, so that a ratio can use the figures beside it
     order = sorted(range(len(figs)), key=lambda i: figs[i].kind in ("ratio", "percent"))
@@ -173,6 +183,9 @@ def main(argv=None) -> int:
         e = old.get(k)
         if e is None:  # text moved to another document or line: the entry of the same masked line, if one is left
             e = moved.get((f.key[1], f.key[3]))
+        if e is None:  # its line changed elsewhere: the one entry left with the same figure and words around it
+            same = by_context.get((f.doc, entry["figure"], local(entry["at"], f.text)), [])
+            e = same[0] if len(same) == 1 else None
         if e is not None and "not_measured" not in e:
             if prose.figure_problem(f, e, table) is None:
                 results[i] = {**entry, **{x: e[x] for x in ("of", "ratio", "pct", "op", "at_most", "at_least", "min", "max", "fact",
