@@ -70,3 +70,20 @@ def test_control_rows_stay_apart_from_the_in_process_rows():
     v = report.summit_verdict([row])
     assert v["softplus_by"] == "control / before" and v["softplus_slower"] == []
     assert abs(v["softplus_worst"] - 0.97 / 0.98) < 1e-12
+
+
+def test_gate_profile_is_its_record():
+    # notebook 12's profile of both gates: each column the record's cycles, the ratio softplus over bounded
+    from common import notebook as nb
+    from common.stages import declared_records
+
+    data = nb.results.recorded(declared_records("gate_profile")["12"])
+    styled = nb.gate_profile("12", shape="B1 T4096 H16 K128 V128")
+    t = styled.data
+    rows = {(r["stage"][:2], r["gate"], r["region"]): r["value"] for r in data["rows"]
+            if (r["B"], r["T"], r["H"]) == (1, 4096, 16)}
+    for region in t.index:
+        assert t.loc[region, "12 softplus"] == rows[("12", "softplus", region)]
+        assert t.loc[region, "11 bounded"] == rows[("11", "bounded", region)]
+        assert abs(t.loc[region, "softplus / bounded"]
+                   - rows[("12", "softplus", region)] / rows[("12", "bounded", region)]) < 1e-12
