@@ -202,7 +202,8 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
     """Worst relative error per output against the fp64 reference and the previous stage, each judged by
     the stage's tolerance (StageSpec.tolerance). Live when the stage runs here, else recorded. Raises
     CheckFailed when an output fails (common.checks.judge: above its tolerance, or off the previous stage's
-    bits where the stage declares them) and when the cell checks a stage other than its chapter's own."""
+    bits where the stage declares them) and when the cell checks a stage other than its chapter's own. Recorded:
+    results/h200/checks.json, or the record the stage declares as RECORDS["checks"]."""
     sid = own_stage(stage_id)
     stage = load_stage(sid)
     spec = stage.SPEC
@@ -218,7 +219,11 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
         print(f"measured live on {dev}: {len(cases)} cases, {len(rows)} comparisons, "
               + ("each within its output's tolerance" if not bad else f"{len(bad)} ABOVE tolerance"))
     else:
-        meta, rec = _recorded("checks")
+        if sid in declared_records("checks"):  # the stage's own record (a row per stage compared with)
+            (data,), _ = _stage_records(sid, "checks", say=False)
+            meta, rec = data["meta"], data["rows"]
+        else:
+            meta, rec = _recorded("checks")
         worst = [checks.judge(stage, r) for r in rec if r.get("stage") == spec.name and "err_ref" in r]
         if not worst:
             raise CheckFailed(f"{spec.name} cannot run here ({why}) and has no recorded checks "

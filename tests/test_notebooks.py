@@ -159,3 +159,15 @@ def test_the_diff_names_the_command_and_an_excerpt(capsys):
     assert out.startswith("diff -ru stages/06_ws_pipeline stages/07_movm_register")
     assert "its largest change, in kda.cu" in out and "\n+" in out
     assert df.loc["kda.cu", "added"] > 0
+
+
+def test_a_stage_may_declare_its_chapter_checks_record(monkeypatch):
+    """Stage 12 declares RECORDS["checks"] (a row per stage compared with): its chapter's check cell shows stage 11's
+    bits on the bounded cases and the softplus cases against stage 04, not both under stage 11's label."""
+    from common import notebook as nb
+
+    monkeypatch.setattr(nb, "notebook_path", lambda: None)
+    t = nb.error_table("12").data
+    vs11 = t[t["prev"] == "11_varlen"]
+    assert len(vs11) == 2 and (vs11["err_prev"] == 0).all()
+    assert (t[t["prev"] == "04_warp"]["err_prev"] > 0).all()

@@ -197,7 +197,11 @@ RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
                # rows also timed from a subprocess as the earlier kernel's are (control), on an H100
                summit="../h100/stage12/summit_db4ccfe",
                # region profiles of 11 and 12 on the bounded gate and of 12 with the softplus gate, on an H100
-               gate_profile="../h100/stage12/profiles_gates_db4ccfe")
+               gate_profile="../h100/stage12/profiles_gates_db4ccfe",
+               # the chapter's recorded checks: a row per stage compared with (11 on the bounded cases, 04 on the
+               # softplus ones, none at the extremes), on an H100 at this kernel code; the H200 record's rows
+               # summarise both gates under one label
+               checks="../h100/stage12/checks_975a0a6")
 
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
