@@ -311,6 +311,22 @@ def sweep(stage_ids, shapes, *, progress=None, on_row=None, bar: bool = False, *
     return rows
 
 
+def kernel_times(fn, *, warmup: int = 10, calls: int = 30) -> dict:
+    """{kernel name: (launches, mean GPU ms per launch)} over ``calls`` calls of ``fn`` after ``warmup``
+    (torch.profiler's CUDA activity): which kernel moved when a whole call's time did."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: (e.count, e.self_device_time_total / 1000 / max(e.count, 1))
+            for e in prof.key_averages() if e.self_device_time_total}
+
+
 def peak_mb(fn) -> float:
     """max_memory_allocated above what is allocated before one call of ``fn``
     (on the GPU), in MB."""

@@ -33,7 +33,7 @@ from .paths import STAGES_DIR
 from .plotting import (format_total, plot_ablation, plot_bars, plot_chunk_timeline, plot_latency, plot_paths,
                        plot_profile, split_bars)
 from .report import README_FIGURES
-from .stages import (STAGE_DIRS, declared_records, fused_stage, lesson_source, load_stage, neighbour_diff,
+from .stages import (STAGE_DIRS, declared_records, fused_stage, last_stage, lesson_source, load_stage, neighbour_diff,
                      normalize, previous, record_names, tensor_core_stages, varlen_record)
 
 FIGURES: set = set()  # names of the functions below that draw a figure
@@ -219,11 +219,7 @@ def error_table(stage_id, *, quick: bool = False) -> pd.DataFrame:
         print(f"measured live on {dev}: {len(cases)} cases, {len(rows)} comparisons, "
               + ("each within its output's tolerance" if not bad else f"{len(bad)} ABOVE tolerance"))
     else:
-        if sid in declared_records("checks"):  # the stage's own record (a row per stage compared with)
-            (data,), _ = _stage_records(sid, "checks", say=False)
-            meta, rec = data["meta"], data["rows"]
-        else:
-            meta, rec = _recorded("checks")
+        meta, rec = _own_or_recorded(sid, "checks", "checks")  # a stage's own: a row per stage compared with
         worst = [checks.judge(stage, r) for r in rec if r.get("stage") == spec.name and "err_ref" in r]
         if not worst:
             raise CheckFailed(f"{spec.name} cannot run here ({why}) and has no recorded checks "
@@ -265,11 +261,7 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         ids.insert(0, pid)
     unit = load_stage(stage_id).SPEC.region_unit
     profs, notes = {}, []
-    if normalize(stage_id) in declared_records("region_profile"):  # the stage's own record: it and the one before
-        (data,), _ = _stage_records(stage_id, "region_profile", say=False)
-        meta, rec = data["meta"], data["rows"]
-    else:
-        meta, rec = _recorded("profiles")
+    meta, rec = _own_or_recorded(stage_id, "region_profile", "profiles")  # a stage's own: it and the one before
     for sid in ids:
         spec = load_stage(sid).SPEC
         if spec.region_unit != unit:
@@ -1265,6 +1257,15 @@ def _stage_records(stage_id, key: str, say: bool = True):
     return data, meta
 
 
+def _own_or_recorded(stage_id, key: str, name: str):
+    """(meta, rows) of the record the stage declares as ``RECORDS[key]`` if it declares one, else of
+    results/h200/<name>.json (_recorded)."""
+    if normalize(stage_id) in declared_records(key):
+        (data,), _ = _stage_records(stage_id, key, say=False)
+        return data["meta"], data["rows"]
+    return _recorded(name)
+
+
 def _part(data: dict, what: str) -> list[dict]:
     """The rows of one part of a recorded call (scripts/bench_softplus.py's parts: "accuracy", "speed", ...)."""
     return [r for r in data["rows"] if r.get("part") == what]
@@ -1647,12 +1648,11 @@ def bounded_pairwise(stage_id="12"):
 
 
 def summit_table(stage_id=None):
-    """The last stage (default: the ladder's, stages.last_stage) beside stage 11 and FlashKDA on the bounded gate, and beside its earlier kernel with the
-    softplus gate (RECORDS["summit"], scripts/bench_summit.py: one call, the same inputs per shape and round),
+    """The last stage (default: the ladder's, stages.last_stage) beside stage 11 and FlashKDA on the bounded
+    gate, and beside its earlier kernel with the softplus gate (RECORDS["summit"], scripts/bench_summit.py:
+    one call, the same inputs per shape and round),
     judged by report.summit_rows / summit_verdict: ratios within a round, the median over rounds."""
     from .report import SUMMIT_BOUND, summit_rows, summit_verdict
-
-    from .stages import last_stage
 
     (data,), _ = _stage_records(stage_id or last_stage(), "summit")
     rows = summit_rows(data)
@@ -1680,8 +1680,6 @@ def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
     clock64 cycles per block of stage 11 and the last stage on the bounded gate and of the last stage with the
     softplus gate, at one shape; ``softplus / bounded`` the last stage's two gates. Prints the regions that
     moved by more than 5% either way."""
-    from .stages import last_stage
-
     sid = normalize(stage_id or last_stage())
     (data,), _ = _stage_records(sid, "gate_profile")
     rows = [r for r in data["rows"] if bench.shape_label(r) == shape]

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_softplus import gpu_inputs  # noqa: E402
+from common.bench import kernel_times  # noqa: E402
 from common.stages import load_stage, stage_ids  # noqa: E402
 
 SHAPES = [dict(B=1, T=4096, H=16, K=128, V=128), dict(B=1, T=8192, H=96, K=128, V=128),
@@ -34,17 +34,9 @@ def main(argv=None) -> int:
     for shp in SHAPES:
         kw = gpu_inputs(**shp, gate="softplus")
         with torch.no_grad():
-            for _ in range(20):
-                top.forward(**kw)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(50):
-                    top.forward(**kw)
-                torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
-                us = getattr(e, "self_device_time_total", 0) / max(e.count, 1)
-                rows.append(dict(label=label, **shp, kernel=e.key[:90], count=e.count, avg_us=us, avg_ms=us / 1000))
+            times = kernel_times(lambda: top.forward(**kw), warmup=20, calls=50)
+        rows += [dict(label=label, **shp, kernel=name[:90], count=n, avg_us=ms * 1000, avg_ms=ms)
+                 for name, (n, ms) in times.items()]
     Path(out).write_text(json.dumps(rows, indent=1) + "\n")
     for r in rows:
         print(label, r["T"], r["H"], r["kernel"][:60], r["count"], round(r["avg_us"], 2))

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_softplus import gpu_inputs, timing_row  # noqa: E402
+from common.bench import kernel_times  # noqa: E402
 from common.stages import load_stage, stage_ids  # noqa: E402
 
 SHAPE = dict(B=1, T=4096, H=16, K=128, V=128)
@@ -38,16 +38,8 @@ def main(argv=None) -> int:
                 with torch.no_grad(), top.path(segment_chunks=seg):
                     return top.forward(**kw)
             r = timing_row("softplus", label, SHAPE, call, seg=seg, round=rnd)
-            if rnd == 0:
-                for _ in range(10):
-                    call()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(30):
-                        call()
-                    torch.cuda.synchronize()
-                r["kernels"] = {e.key[:40]: (e.count, getattr(e, "self_device_time_total", 0) / max(e.count, 1))
-                                for e in prof.key_averages() if "kda" in e.key}
+            if rnd == 0:  # {kernel: (launches, us per launch)}
+                r["kernels"] = {k[:40]: (n, ms * 1000) for k, (n, ms) in kernel_times(call).items() if "kda" in k}
             rows.append(r)
             print(label, seg, rnd, r.get("graph_ms"), r.get("kernels"), flush=True)
     Path(out).write_text(json.dumps(rows, indent=1) + "\n")
