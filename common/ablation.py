@@ -144,11 +144,14 @@ def _shape_of(r) -> tuple:
     return tuple(r.get(k) for k in ("B", "T", "H", "K", "V"))
 
 
+SHRANK = 1.05  # a region shrank with an idea when it is more than 5% larger without it (a margin over noise)
+
+
 def bought(rows) -> list[dict]:
     """Per ablation: how much slower the stage is without the idea (the idea's
     gain), forward and (where timed) backward, against the full stage at the
     same shape, its peak memory either way, and where it shows: the profile region it
-    shrank most (per block, variant - full: where the cycles went, a wait included), or
+    shrank most (per block, variant - full, by more than SHRANK: where the cycles went, a wait included), or
     the region the stage declares for it (``Ablation.region``) where it shrank none
     (``region_shrank`` False)."""
     fulls = {_shape_of(r): r for r in rows if r["variant"] == "full"}
@@ -169,7 +172,7 @@ def bought(rows) -> list[dict]:
         pf, pv = full.get("profile") or {}, r.get("profile") or {}
         # where the idea shows: the region it shrank most (without - with, per block), measured; the region
         # the stage declares for it (Ablation.region) where none shrank
-        saved = {k: pv[k] - pf[k] for k in pf.keys() & pv.keys() if pv[k] > pf[k] > 0}
+        saved = {k: pv[k] - pf[k] for k in pf.keys() & pv.keys() if pf[k] > 0 and pv[k] > SHRANK * pf[k]}
         if saved:
             region = max(saved, key=saved.get)
         if region in pf or region in pv:
