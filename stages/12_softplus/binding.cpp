@@ -400,10 +400,8 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   // (those a sequence has), each K2 block starting from the state the previous segment left in ht
   // (its own columns: it reads them before it writes them; a sequence that has ended leaves them). With several segments K1 runs on a side stream, one segment ahead:
   // K1 of segment i + 1 beside K2 of segment i, on the SMs K2's few blocks leave idle.
-  //   side:  K1(i) into buffer i % 2, after K2(i - 2) has read that buffer
-  //   chain: K2(i) after K1(i), at high priority: as SMs free up, the block scheduler places the
-  //          chain's blocks before the next K1's (K1 has blocks to spare; K2's set the call's time)
-  //   main:  waits for the chain's last K2 (after every K1), so nothing outlives the call
+  //   side: K1(i) into buffer i % 2, after K2(i - 2) has read that buffer
+  //   main: K2(i) after K1(i); main waits for side's last K1, so nothing outlives the call
   const float* h0_user = p.h0;
   if (n_seg == 1) {
     use_buffer(0, p);
@@ -413,11 +411,9 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
     return;
   }
   const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, q.device().index());
-  const c10::cuda::CUDAStream chain = c10::cuda::getStreamFromPool(true, q.device().index());
   const Events& ev = events_of(q.device().index());  // fork, k1_done[2], k2_done[2]
   C10_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
   C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.fork, 0));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(chain.stream(), ev.fork, 0));
   for (int64_t i = 0; i < n_seg; ++i) {
     const int64_t buf = i % 2;
     use_buffer(buf, p);
@@ -427,11 +423,10 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
     if (i >= 2) C10_CUDA_CHECK(cudaStreamWaitEvent(side.stream(), ev.k2_done[buf], 0));
     kda_check(kda_fwd_launch(p, plan, side.stream(), KDA_LAUNCH_K1), "kda forward (K1)");
     C10_CUDA_CHECK(cudaEventRecord(ev.k1_done[buf], side.stream()));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(chain.stream(), ev.k1_done[buf], 0));
-    kda_check(kda_fwd_launch(p, plan, chain.stream(), KDA_LAUNCH_K2), "kda forward (K2)");
-    C10_CUDA_CHECK(cudaEventRecord(ev.k2_done[buf], chain.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.k1_done[buf], 0));
+    kda_check(kda_fwd_launch(p, plan, stream, KDA_LAUNCH_K2), "kda forward (K2)");
+    C10_CUDA_CHECK(cudaEventRecord(ev.k2_done[buf], stream));
   }
-  C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.k2_done[(n_seg - 1) % 2], 0));  // the last K2 follows every K1
 }
 
 // out = A @ bf16(X) through the accumulator -> B-fragment transpose (kda.h).
