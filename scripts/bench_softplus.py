@@ -1,6 +1,6 @@
 """Stage 12 and the softplus gate on the H200, in one call beside FLA (issue 21).
 
-Six parts, one results file (common.results; rows carry ``part``):
+Seven parts, one results file (common.results; rows carry ``part``):
 
 - ``accuracy``: on every softplus check case (common.checks.tc_softplus_cases:
   tails, B > 1 with h0, K = 64 and 128, the gate at its extremes) and the quick
@@ -26,6 +26,8 @@ Six parts, one results file (common.results; rows carry ``part``):
   the split paths at other segment lengths (``--segments``).
 - ``u``: at the same shapes with the softplus gate, stage 12 as it runs it (u from
   Af in two bf16 halves) beside ``u_halves(False)``: what the second half costs.
+- ``ring``: at K = 64 shapes where the rule takes K2's 8-slot ring (RING_SHAPES), both
+  gates, stage 12 as it runs beside ``deep_ring(False)`` (4 slots), three rounds in turn.
 
     python scripts/bench_softplus.py --out $OUT/softplus.json [--parts accuracy,bounded,speed] [--who 12,fla]
         [--shapes 0,6] [--no-fla]
@@ -250,6 +252,36 @@ def u_rows(shapes, on_row) -> None:
         del kw
 
 
+# K = 64 shapes whose K2 blocks fit on the SMs one each (the rule's 8-slot ring runs): the ring's shapes
+RING_SHAPES = [dict(B=2, T=2048, H=4, K=64, V=64), dict(B=1, T=8192, H=4, K=64, V=64),
+               dict(B=1, T=65536, H=4, K=64, V=64), dict(B=1, T=8192, H=16, K=64, V=64)]
+
+
+def ring_rows(on_row, rounds: int = 3) -> None:
+    """Stage 12 on the split path at K = 64 where the rule takes K2's 8-slot ring, as it runs and with
+    deep_ring(False) (4 slots, stage 11's), both gates, ``rounds`` times in turn on the same inputs: what the
+    deeper ring buys (the outputs must be bitwise equal: the depth changes no arithmetic)."""
+    s12 = load_stage("12")
+    for shape in RING_SHAPES:
+        for gate in ("softplus", "bounded"):
+            kw = gpu_inputs(**shape, gate=gate, lower_bound=-5.0 if gate == "bounded" else None)
+            with torch.no_grad():
+                a = s12.forward(**kw)
+                with s12.deep_ring(False):
+                    b = s12.forward(**kw)
+            equal = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+            del a, b
+            for rnd in range(rounds):
+                for deep in (None, False):
+                    def f(kw=kw, deep=deep):
+                        with torch.no_grad(), s12.deep_ring(deep):
+                            return s12.forward(**kw)
+
+                    on_row(timing_row("ring", "12_softplus", shape, f, gate=gate, round=rnd,
+                                      ring="rule" if deep is None else "4 slots", bitwise_equal=equal))
+            del kw
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="results file (default $OUT/softplus.json)")
@@ -298,8 +330,10 @@ def main(argv=None) -> int:
             product_rows(shapes, on_row)
         elif part == "u":
             u_rows(shapes, on_row)
+        elif part == "ring":
+            ring_rows(on_row)
         else:
-            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, products, paths, u")
+            ap.error(f"unknown part {part!r}: accuracy, bounded, speed, products, paths, u, ring")
     say(f"wrote {out}: {len(rows)} rows")
     return 0
 

@@ -73,6 +73,15 @@ def test_the_products_and_u_pins_are_checked_and_reach_the_extension(pin_sid):
     with S.u_halves(True):
         assert S._path_args(128)["u_halves"] == 1
     assert S._path_args(128)["pairwise"] == -1 and S._path_args(128)["u_halves"] == -1
+    with pytest.raises(TypeError, match="deep_ring must be True, False or None, got 1"):
+        with S.deep_ring(1):
+            pass
+    assert S._path_args(64)["deep_ring"] == -1
+    with S.deep_ring(True):
+        assert S._path_args(64)["deep_ring"] == 1
+        with S.deep_ring(False):
+            assert S._path_args(64)["deep_ring"] == 0
+    assert S._path_args(64)["deep_ring"] == -1
 
 
 def test_a_pinned_path_too_wide_for_v_is_refused_before_the_extension(monkeypatch, sid):
@@ -240,6 +249,22 @@ def test_k64_ring_is_deeper_where_each_k2_block_has_an_sm(sid):
     want = S.LONE_RING64 if deep_fits else 4
     assert got["small"][2]["dynamic_smem"] == per_slot * want, (got["small"][2], got["big"][2])
     assert torch.equal(got["small"][0], got["big"][0]) and torch.equal(got["small"][1], got["big"][1])
+    if not hasattr(S, "deep_ring"):
+        return
+    # the switch: each depth pinned where the rule takes the other, the launch's shared memory says which ran,
+    # and no bit changes
+    for name, kw, pin, slots in (("small", small, False, 4), ("big", big, True, S.LONE_RING64 if deep_fits else 0)):
+        if not slots:
+            continue
+        with torch.no_grad(), S.path("split2"), S.deep_ring(pin):
+            o, ht = S.forward(**kw)
+        k2 = [x for x in S.build().launches() if x["kernel"] == "kda_recurrence_kernel"]
+        assert k2[0]["dynamic_smem"] == per_slot * slots, (name, pin, k2)
+        assert torch.equal(o[:, :, :3], got[name][0]) and torch.equal(ht[:, :3], got[name][1]), name
+    k128 = make_inputs(1, 40, 2, 128, 128, seed=4, dtype=torch.bfloat16, device="cuda", gate="softplus", chunk_size=16)
+    with pytest.raises(ValueError, match="deep_ring.True. pins the 8-slot ring, which is K = 64's"):
+        with torch.no_grad(), S.deep_ring(True):
+            S.forward(**k128)
 
 
 @gpu

@@ -9,7 +9,7 @@
 // fwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound,
 //     chunk_size, o, ht, prof?, fused=-1, ncw=0, segment_chunks=0,
 //     cu_seqlens=None, max_seqlen=0, state_v_first=False, l2norm=True, beta_mode=1,
-//     pairwise=-1, seq_lens=[], long_from=-1, u_halves=-1)
+//     pairwise=-1, seq_lens=[], long_from=-1, u_halves=-1, deep_ring=-1)
 // q, k, v, beta bf16 [B, T, H, *]; g bf16 (gate_id 0 or 1, the raw gate of the softplus
 // or the bounded gate) or fp32 (gate_id 3, the log decay a itself, which the caller
 // promises <= 0, and >= lower_bound unless lower_bound is 0: no bound);
@@ -32,6 +32,8 @@
 // fp32 accuracy) or rounded to bf16 once (0: stages 05-11's u, bitwise); -1 the gate's (a
 // bounded gate once, so that it runs stage 11's instantiation; one without a bound in halves).
 // Both pick the prepare's instantiation (kda.cu with_prep), never a flag inside a kernel.
+// deep_ring: K2's ring on the split path at K = 64, -1 the rule (8 slots where every K2 block
+// has an SM, else 4), 0 4 slots, 1 8 slots (K = 64 only); it picks K2's instantiation too.
 // Supported: gate_id 0, 1 or 3, chunk_size 16, K = V in {64, 128}.
 // There is no bwd: this stage is forward only.
 // fused, ncw and segment_chunks pin the path (fused -1: the stage's rule, kda_fwd_plan; 0
@@ -122,7 +124,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
              double lower_bound, int64_t chunk_size, torch::Tensor o, torch::Tensor ht, OptTensor prof,
              int64_t fused, int64_t ncw, int64_t segment_chunks, OptTensor cu_seqlens, int64_t max_seqlen,
              bool state_v_first, bool l2norm, int64_t beta_mode, int64_t pairwise,
-             std::vector<int64_t> seq_lens, int64_t long_from, int64_t u_halves) {
+             std::vector<int64_t> seq_lens, int64_t long_from, int64_t u_halves, int64_t deep_ring) {
   // ---- sizes and scalars ----
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
@@ -147,6 +149,9 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
               ", lower_bound ", lower_bound);
   TORCH_CHECK(u_halves >= -1 && u_halves <= 1,
               "u_halves must be -1 (the gate's), 0 (Af rounded once) or 1 (Af in two halves), got ", u_halves);
+  TORCH_CHECK(deep_ring >= -1 && deep_ring <= 1,
+              "deep_ring must be -1 (the rule's), 0 (4 slots) or 1 (8 slots, K = 64), got ", deep_ring);
+  TORCH_CHECK(deep_ring != 1 || K == 64, "deep_ring=1 (the 8-slot ring) is K = 64's, got K = ", K);
   TORCH_CHECK(chunk_size == kChunk, "stage " KDA_STAGE " supports only chunk_size 16, got ", chunk_size);
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(B * T <= INT_MAX - kChunk, "B * T too large: ", B * T);  // token indices (bos + t) are int
@@ -254,6 +259,7 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   p.gate_id = (int)gate_id;
   p.products = pairwise == -1 ? (bounded ? KDA_PRODUCTS_FACTORED : KDA_PRODUCTS_AS_NEEDED) : (int)pairwise;
   p.u_halves = u_halves == -1 ? (bounded ? 0 : 1) : (int)u_halves;
+  p.deep_ring = (int)deep_ring;
   p.l2norm = l2norm ? 1 : 0;
   p.beta_mode = (int)beta_mode;
   p.state_v_first = state_v_first ? 1 : 0;
@@ -457,7 +463,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ncw") = 0, py::arg("segment_chunks") = 0, py::arg("cu_seqlens") = py::none(),
         py::arg("max_seqlen") = 0, py::arg("state_v_first") = false, py::arg("l2norm") = true,
         py::arg("beta_mode") = 1, py::arg("pairwise") = -1, py::arg("seq_lens") = std::vector<int64_t>{},
-        py::arg("long_from") = -1, py::arg("u_halves") = -1);
+        py::arg("long_from") = -1, py::arg("u_halves") = -1, py::arg("deep_ring") = -1);
   m.def("frag_check", &kda_frag_check, "A @ bf16(X) with X turned from an MMA accumulator into a B fragment by movmatrix",
         py::arg("A"), py::arg("X"));
 }

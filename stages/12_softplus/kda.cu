@@ -77,17 +77,22 @@ cudaError_t launch_recurrence_ring(const KdaFwdParams& p, long long blocks, cuda
 
 // K2 with the ring of kStagesFor<K> slots, or at K = 64, where every block has an SM to
 // itself (blocks <= SMs) and the deeper ring fits a block's shared memory (86,144 bytes at
-// NCW = 2: not on parts with less per block), kLoneStages64.
+// NCW = 2: not on parts with less per block), kLoneStages64. p.deep_ring pins either
+// (0: kStagesFor everywhere; 1: kLoneStages64 at K = 64, an error where it does not fit).
 template <int K, int V, int NCW>
 cudaError_t launch_recurrence(const KdaFwdParams& p, cudaStream_t stream) {
   const long long blocks = (long long)p.N * p.H * (V / (VW * NCW));
   if constexpr (K == 64) {
-    int dev = 0, sms = 0, optin = 0;
-    KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-    KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if (blocks <= sms && sizeof(K2Smem<K, NCW, kLoneStages64>) <= (size_t)optin)
-      return launch_recurrence_ring<K, V, NCW, kLoneStages64>(p, blocks, stream);
+    if (p.deep_ring != 0) {
+      int dev = 0, sms = 0, optin = 0;
+      KDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+      KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+      KDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      const bool fits = sizeof(K2Smem<K, NCW, kLoneStages64>) <= (size_t)optin;
+      if (p.deep_ring == 1 && !fits) return cudaErrorInvalidConfiguration;
+      if (fits && (p.deep_ring == 1 || blocks <= sms))
+        return launch_recurrence_ring<K, V, NCW, kLoneStages64>(p, blocks, stream);
+    }
   }
   return launch_recurrence_ring<K, V, NCW, kStagesFor<K>>(p, blocks, stream);
 }
@@ -237,6 +242,7 @@ cudaError_t kda_fwd_launch(const KdaFwdParams& p, const KdaPlan& plan, cudaStrea
       (!bounded && p.products == KDA_PRODUCTS_FACTORED))
     return cudaErrorInvalidValue;  // the factored products in every chunk need a bounded gate
   if (p.beta_mode < 0 || p.beta_mode > 2 || (p.u_halves != 0 && p.u_halves != 1)) return cudaErrorInvalidValue;
+  if (p.deep_ring < -1 || p.deep_ring > 1 || (p.deep_ring == 1 && p.K != 64)) return cudaErrorInvalidValue;
   if (p.n_skip < 0 || p.n_skip > KDA_MAX_SKIP || (p.n_skip > 0 && !plan.fused)) return cudaErrorInvalidValue;
   for (int r = 0; r < p.n_skip; ++r)
     if (p.skip_lo[r] < 0 || p.skip_lo[r] >= p.skip_hi[r] || p.skip_hi[r] > p.N) return cudaErrorInvalidValue;

@@ -116,6 +116,7 @@ struct KdaFwdParams {
   // ---- the prepare's variant: which instantiation the launcher runs (read by kda_fwd_launch only) ----
   int products;       // KdaProducts: how L and Aqk are formed
   int u_halves;       // 1: u = Af_hi @ v + Af_lo @ v (Af in two bf16 halves: u to fp32 accuracy); 0: Af in bf16 once
+  int deep_ring;      // K2's ring at K = 64: -1 the rule (kLoneStages64 slots where every block has an SM), 0 kStagesFor slots, 1 kLoneStages64
   // ---- the caller's layout and activations (runtime flags, read uniformly by the pre-stage) ----
   int gate_id;        // KDA_GATE_SOFTPLUS, KDA_GATE_BOUNDED or KDA_GATE_LOG
   int l2norm;         // 1: q, k L2-normalised here; 0: taken as they are

@@ -207,6 +207,7 @@ RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
 _PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
 _U_HALVES: ContextVar = ContextVar("u_halves_pin", default=None)  # None: the gate's; True / False: pinned
+_DEEP_RING: ContextVar = ContextVar("deep_ring_pin", default=None)  # None: the rule's; True / False: pinned
 
 
 def path_error(name, V):
@@ -261,11 +262,15 @@ def _path_args(V) -> dict:
     pw = _PAIRWISE.get()
     return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0, pairwise=-1 if pw is None else int(pw),
                 long_from=-1 if long_from is None else long_from,
-                u_halves=-1 if _U_HALVES.get() is None else int(_U_HALVES.get()))
+                u_halves=-1 if _U_HALVES.get() is None else int(_U_HALVES.get()),
+                deep_ring=-1 if _DEEP_RING.get() is None else int(_DEEP_RING.get()))
 
 
 def _check_pairwise(pin, c):
-    """The factored products pinned on the softplus gate: refused here, before the extension."""
+    """The factored products pinned on the softplus gate, and the 8-slot ring at K = 128: refused here,
+    before the extension."""
+    if pin["deep_ring"] == 1 and c.K != 64:
+        raise ValueError(f"deep_ring(True) pins the 8-slot ring, which is K = 64's; got K = {c.K}")
     if pin["pairwise"] == 0 and c.gate == "softplus":
         raise ValueError("pairwise(False) pins the factored products, which need a bounded gate: with "
                          "gate='softplus' exp(-gc) overflows; use pairwise(None) or pairwise(True)")
@@ -299,6 +304,21 @@ def u_halves(on=True):
         yield
     finally:
         _U_HALVES.reset(token)
+
+
+@contextmanager
+def deep_ring(on=True):
+    """Pin K2's ring on the split path at K = 64 for the calls inside the block: True 8 slots
+    (kLoneStages64) wherever they fit a block's shared memory, False 4 (kStagesFor, stage 11's),
+    None the rule's (8 where every K2 block has an SM, else 4). True with K = 128 raises at the
+    call. The fused path has no ring of K2's and ignores it."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"deep_ring must be True, False or None, got {on!r}")
+    token = _DEEP_RING.set(on)
+    try:
+        yield
+    finally:
+        _DEEP_RING.reset(token)
 
 
 def frag_check(A, X):
