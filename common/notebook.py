@@ -158,6 +158,13 @@ def diff(stage_id, lines: int = 30) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("file") if rows else pd.DataFrame()
 
 
+def _say_recorded(meta: dict, rows=None) -> None:
+    """Print where the figures shown come from, once per table: device, days, commits (those of ``rows``, the
+    rows shown, where they name theirs), file(s)."""
+    where = results.label(meta, rows)
+    print(where[:1].upper() + where[1:])
+
+
 def _recorded(name):
     data = results.recorded(name)
     return (data["meta"], data["rows"]) if data else (None, [])
@@ -241,7 +248,7 @@ def fla_error_table(stage_id) -> pd.DataFrame:
     if not mine:
         print(f"no recorded comparison of {name} with FLA")
         return pd.DataFrame()
-    print(results.label(meta))
+    _say_recorded(meta)
     fail_if([f"{r['output']}: {r['err_fla']:.2e} from FLA (bound {r['tol_fla']:g}), FLA {r['fla_err_ref']:.2e} "
              "from fp64" for r in mine if not r["ok"]], f"{name} against FLA")
     df = pd.DataFrame(mine)[["output", "err_fla", "fla_err_ref", "tol_fla", "ok", "cases"]]
@@ -260,7 +267,7 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
     if compare_previous and pid is not None:
         ids.insert(0, pid)
     unit = load_stage(stage_id).SPEC.region_unit
-    profs, notes = {}, []
+    profs, notes, shown = {}, [], []
     meta, rec = _own_or_recorded(stage_id, "region_profile", "profiles")  # a stage's own: it and the one before
     for sid in ids:
         spec = load_stage(sid).SPEC
@@ -280,12 +287,13 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
             if rows:
                 profs[spec.name] = {r["region"]: r["value"] for r in rows}
                 notes.append(f"{spec.name}: recorded")
+                shown += rows
             else:
                 notes.append(f"{spec.name}: no figures ({why})")
     shape = PROFILE_SHAPE["cpu" if unit == "s" else "cuda"]
     print("; ".join(notes) + f" -- shape {bench.shape_label(shape)}")
     if meta is not None and any("recorded" in n for n in notes):
-        print("recorded: " + results.label(meta))
+        _say_recorded(meta, shown)
     if not profs:
         return None
     bars = {}
@@ -374,7 +382,7 @@ def latency(stage_ids, *, y: str = "fwd", title=None, budget_s: float = LIVE_BUD
         for n in notes:
             print(n)
         if rec_rows and meta is not None:
-            print("recorded: " + results.label(meta))
+            _say_recorded(meta, rec_rows)
     ykey = f"{y}_best_ms"
     rows = []
     live_labels = {(r["stage"], bench.shape_label(r)) for r in live_rows}
@@ -414,7 +422,7 @@ def latency_rows(stage_ids, name: str = "fp32_stages") -> pd.DataFrame:
     names = [_stage_name(s) for s in stage_ids]
     rows = [r for r in rec if r.get("stage") in names]
     if meta is not None:
-        print("recorded: " + results.label(meta))
+        _say_recorded(meta, rows)
     cols = ["stage", "B", "T", "H", "K", "V", "fwd_ms", "fwd_graph_ms", "bwd_ms", "bwd_graph_ms"]
     df = pd.DataFrame(rows)
     return df[[c for c in cols if c in df]] if len(df) else df
@@ -539,7 +547,7 @@ def tc_latency(stage_ids=("05",)):
     for n in notes:
         print(n)
     if rec_rows and meta is not None:
-        print("recorded: " + results.label(meta))
+        _say_recorded(meta, rec_rows)
     rows = [dict(r, where="live") for r in live_rows if bench.best_ms(r) is not None] + \
         [dict(r, where="recorded") for r in rec_rows if bench.best_ms(r) is not None]
     for r in rows:
@@ -636,7 +644,7 @@ def ablation_table(stage_id) -> pd.DataFrame:
     if not rows:
         print(f"no recorded ablations for stage {stage_id}: run `kdalab ablate {stage_id}` on a GPU")
         return pd.DataFrame()
-    print("recorded: " + results.label(meta))
+    _say_recorded(meta, rows)
     out = []
     for b in ablation.bought(rows):
         d = dict(idea=b["idea"], instead=b["instead"], shape=b["shape"])
@@ -775,7 +783,7 @@ def _say(rows, notes, meta):
     for n in notes:
         print(n)
     if meta is not None and any(r["where"] == "recorded" for r in rows):
-        print("recorded: " + results.label(meta))
+        _say_recorded(meta)
     return rows
 
 
@@ -975,6 +983,14 @@ def fused_profile(stage_id="09"):
     tot = chunk_totals(groups)
     print(f"per chunk: prepare warps {tot['prepare']:.3g} cycles; compute warps {tot['compute']:.3g} "
           f"(waiting for operands {tot['wait']:.3g}, the chain {tot['chain']:.3g})")
+    prev = previous(normalize(stage_id))
+    info = paths_recorded().get(prev, {}) if prev is not None else {}
+    if str(info.get("profile_path", "")).startswith("fused"):  # the fused kernel before the step: what it moved
+        before = _fused_row(prev)
+        if before is not None:
+            pt = chunk_totals(chunk_profile(before[0]["profile"], before[0]["T"], teams=prep_teams(prev)))
+            print(f"stage {prev}, the same shape and path: prepare warps {pt['prepare']:.3g} cycles; compute warps "
+                  f"{pt['compute']:.3g} (waiting for operands {pt['wait']:.3g}, the chain {pt['chain']:.3g})")
     ncw = load_stage(stage_id).PATHS[row["path"]][1]
     bars = {f"{teams} x 4 prepare warps": groups["prepare warps"], f"{ncw} compute warps": groups["compute warps"]}
     labels = dict(FUSED_PREPARE, **{FUSED_COMPUTE_WAIT: "waiting for\nthe prepare"})
@@ -1250,10 +1266,11 @@ def _stage_records(stage_id, key: str, say: bool = True):
     if missing:
         raise FileNotFoundError(f"stage {sid} declares RECORDS[{key!r}], and {', '.join(missing)} is not there")
     meta = {f: ", ".join(dict.fromkeys(str(d["meta"].get(f)) for d in data)) for f in ("device", "date", "commit")}
+    meta["file"] = ", ".join(paths)
     if say:
         folder = os.path.commonpath(paths) if len(paths) > 1 else None
         where = paths[0] if folder is None else f"{folder}/ ({', '.join(os.path.relpath(p, folder) for p in paths)})"
-        print(f"{where}: {results.label(meta)}")
+        print(f"{where}: {results.label(dict(meta, file=None))}")  # the files named once, before the colon
     return data, meta
 
 
@@ -1696,3 +1713,37 @@ def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
           + ", ".join(f"{k} {v:.2f}x" for k, v in moved.items() if abs(v - 1) > 0.05))
     return table.style.format({c: "{:,.0f}" for c in table.columns if c != "softplus / bounded"}
                               | {"softplus / bounded": "{:.2f}"})
+
+
+# ---- the op in a model (notebooks/use_in_a_model.ipynb): FLA's KDA layer with the kdalab backend ----
+
+OP_RECORDS = (("stage11/op_e573e2b", 32), ("stage11/op_h96_f5a3805", 96))  # (record, the heads taken from it)
+OP_COLUMNS = ["what", "H", "T", "kdalab_graph_ms", "fla_graph_ms", "speedup_graph_ms", "kdalab_ms", "fla_ms",
+              "speedup_ms", "rel_err_vs_fla"]
+
+
+def _op_rows(say: bool = True) -> list[dict]:
+    """The rows of scripts/bench_op.py's records (the layer and the op alone, with the backend and on FLA's
+    kernels), each record at its heads; with ``say``, one line naming the records."""
+    recs = [(results.recorded(n), h) for n, h in OP_RECORDS]
+    if say:
+        _say_recorded({f: ", ".join(dict.fromkeys(str(r["meta"].get(f)) for r, _ in recs))
+                       for f in ("device", "date", "commit", "file")})
+    return [r for rec, h in recs for r in rec["rows"] if r["H"] == h]
+
+
+def op_table() -> pd.DataFrame:
+    """FLA's KimiDeltaAttention layer and chunk_kda alone, through the kdalab backend and on FLA's kernels
+    (GPU time by graph replay, eager time, the output's difference from FLA's), as recorded."""
+    return pd.DataFrame(_op_rows())[OP_COLUMNS].round(4)
+
+
+@figure
+def op_plot():
+    """The op_table's GPU times as bars (log scale): the layer and the op alone, each way."""
+    rows = _op_rows(say=False)
+    bars = [dict(what=f"{r['what']} H{r['H']}", impl=impl, ms=r[f"{key}_graph_ms"])
+            for r in rows for impl, key in (("FLA's kernels", "fla"), ("through kdalab", "kdalab"))]
+    return plot_bars(bars, x="what", y="ms", by="impl", logy=True, value_rotation=0, value_fontsize=8,
+                     ylabel="GPU time, ms", title="FLA's KDA layer and chunk_kda at T=4096, GPU time (recorded)")
+

@@ -69,7 +69,12 @@ def load(path) -> dict:
 def recorded(name: str, device_dir: str = "h200") -> dict | None:
     """A recorded results file results/<device_dir>/<name>.json, or None."""
     p = RESULTS_DIR / device_dir / f"{name}.json"
-    return load(p) if p.exists() else None
+    if not p.exists():
+        return None
+    data = load(p)
+    if isinstance(data.get("meta"), dict):  # the file, for label (in memory only: records are saved with fresh meta)
+        data["meta"].setdefault("file", os.path.relpath(os.path.normpath(p), REPO_ROOT))
+    return data
 
 
 def newest_anchor():
@@ -136,14 +141,29 @@ def flashkda_rows(measured=None) -> list[dict]:
     return measured + [r for r in anchor_rows(flashkda_measured_at=at) if r["stage"].startswith(FLASHKDA)]
 
 
-def label(meta: dict) -> str:
-    """One short line saying where recorded figures come from: the device, the day(s) and the commit(s) (the
-    command, its notes and the hours stay in the record's meta, for whoever re-runs it)."""
+def label(meta: dict, rows=None) -> str:
+    """One short line saying where recorded figures come from: the device, the day(s), the commit(s) and the
+    file(s) (``meta["file"]``, set by :func:`recorded`; the command, its notes and the hours stay in the record's
+    meta, for whoever re-runs it). With ``rows`` (those a table shows) that each name their commit, only those
+    commits, and the days the meta gives them (its date and commit fields list calls in the same order, split
+    by " / ")."""
     import re
 
-    days = list(dict.fromkeys(re.findall(r"\d{4}-\d\d-\d\d", str(meta.get("date", ""))))) or [str(meta.get("date"))]
-    commits = list(dict.fromkeys(re.findall(r"\b[0-9a-f]{7,12}\b", str(meta.get("commit", ""))))) \
-        or [str(meta.get("commit"))]
-    commits = [c[:7] for c in commits]
+    def found(pat, text):
+        return list(dict.fromkeys(m[:7] if pat is _SHA else m for m in re.findall(pat, text)))
+
+    date, commit = str(meta.get("date", "")), str(meta.get("commit", ""))
+    days, commits = found(_DAY, date) or [date], found(_SHA, commit) or [commit[:7]]
+    shown = [str(r.get("commit"))[:7] for r in rows or () if r.get("commit")]
+    if rows and shown and len(shown) == len(list(rows)):
+        calls_d, calls_c = date.split(" / "), commit.split(" / ")
+        if len(calls_d) == len(calls_c):  # the days of the calls that recorded the rows shown
+            picked = [d for d, c in zip(calls_d, calls_c) if set(found(_SHA, c)) & set(shown)]
+            days = found(_DAY, " ".join(picked)) or days
+        commits = list(dict.fromkeys(shown))
+    files = [f for f in str(meta.get("file") or "").split(", ") if f]
     return (f"recorded on {meta.get('device')}, {', '.join(days)}, commit{'s' if len(commits) > 1 else ''} "
-            f"{', '.join(dict.fromkeys(commits))}")
+            f"{', '.join(commits)}" + (f" ({', '.join(files)})" if files else ""))
+
+
+_DAY, _SHA = r"\d{4}-\d\d-\d\d", r"\b[0-9a-f]{7,12}\b"

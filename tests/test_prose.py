@@ -151,50 +151,89 @@ def test_generated_blocks_are_left_to_their_own_test():
     assert [f.text for f in prose.figures("x.md", stripped)] == ["1.25", "2.50"]
 
 
-SHA = re.compile(r"\bcommit ([0-9a-f]{7})\b")
+_NAMED = re.compile(r"(results/[\w./-]+/) \(([^()]*\.json[^()]*)\)|(results/[\w./-]+\.json)")
 
 
-def _cells_naming_one_commit():
-    """(notebook, first line, commit, figures) of the markdown cells that name exactly one commit."""
+def _files_named(text: str) -> set[str]:
+    """The record files a cell's printed output names (common.results.label: "... (results/h200/x.json)", or
+    common.notebook._stage_records: "results/h200/stage12/ (a.json, b.json): ...")."""
+    out = set()
+    for folder, names, path in _NAMED.findall(text):
+        if path:
+            out.add(path)
+        else:
+            out.update(folder + n.strip() for n in names.split(","))
+    return out
+
+
+def _atom_files(entry) -> set[str]:
+    """The record files of the atoms an index entry names (its "of", "ratio", "pct", bounds and ends)."""
+    if isinstance(entry, str):
+        return {entry.split("#")[0]} if "#" in entry else set()
+    items = entry.values() if isinstance(entry, dict) else entry if isinstance(entry, list) else ()
+    return set().union(*(_atom_files(x) for x in items)) if items else set()
+
+
+def _recorded_cells(named=_files_named):
+    """(notebook, markdown cell's first line in the prose, files the code cells just above it name, its
+    figures) of every markdown cell that starts "Recorded": the paragraph under a table or figure."""
     out = []
     for doc, text in DOCS:
         if not doc.endswith(".ipynb"):
             continue
+        nb = json.loads((REPO_ROOT / doc).read_text())
         lines, figs = text.splitlines(), prose.figures(doc, text)
         starts = [0] + [i + 1 for i, line in enumerate(lines) if line == prose.CELL_SEP.strip()]
-        for s in starts:
-            lo, hi = prose.passage(lines, s)
-            shas = set(SHA.findall("\n".join(lines[lo:hi + 1])))
-            if len(shas) == 1:
-                out.append((doc, lo + 1, shas.pop(), [f for f in figs if lo < f.lineno <= hi + 1]))
+        k, shown = -1, set()
+        for c in nb["cells"]:
+            if c["cell_type"] == "code":
+                shown |= named("".join("".join(o.get("text", "")) for o in c.get("outputs", ())))
+                continue
+            if c["cell_type"] != "markdown":
+                continue
+            k += 1
+            if "".join(c["source"]).startswith("Recorded"):
+                lo, hi = prose.passage(lines, starts[k])
+                out.append((doc, lo + 1, shown, [f for f in figs if lo < f.lineno <= hi + 1]))
+            shown = set()
     return out
 
 
-def _off_record(sha_of):
-    table = prose.atoms()
+def _off_shown(named=_files_named):
     bad = []
-    for doc, i, sha, figs in _cells_naming_one_commit():
-        want = sha_of(sha)
+    for doc, line, shown, figs in _recorded_cells(named):
         for f in figs:
             e = INDEX.get(prose.key_str(f.key), {})
-            ids = [e["of"]] if "of" in e else e.get("ratio") or e.get("pct") or []
-            if any(f"commit:{want}" not in table[x].tags for x in ids):
-                bad.append(f"{doc} cell at line {i}: {f.text} {f.unit} from {ids}")
+            if "not_measured" in e:
+                continue
+            off = _atom_files(e) - shown
+            if off:
+                bad.append(f"{doc} cell at line {line}: {f.text} {f.unit} from {sorted(off)}, the cells above show "
+                           f"{sorted(shown) or 'no record'}")
     return bad
 
 
-def test_a_notebook_cell_naming_a_commit_quotes_that_record():
-    """A cell that says "recorded at commit abc1234" quotes records of that commit."""
-    assert _cells_naming_one_commit()
-    bad = _off_record(lambda sha: sha)
-    assert not bad, "figures of another record than the commit the cell names:\n" + "\n".join(bad)
+def test_a_recorded_paragraph_quotes_the_records_shown_above_it():
+    """Provenance once: the output of a table or figure names its record (device, days, commits, file), and
+    the "Recorded: ..." paragraph under it names none, so each of its figures must come from a file that the
+    code cells just above it print."""
+    cells = _recorded_cells()
+    assert len(cells) >= 25, f"{len(cells)} Recorded paragraphs found"
+    bad = _off_shown()
+    assert not bad, "figures of a record the table above does not show:\n" + "\n".join(bad)
 
 
-def test_the_commit_check_catches_figures_of_another_record():
-    """Planted: the cells that name 04c36d6 (stages 08-10 timed in one call) read as if they named 614c372
-    (the checks and switches of 08 and 09) must fail."""
-    assert any(sha == "04c36d6" for _, _, sha, _ in _cells_naming_one_commit())
-    assert _off_record(lambda sha: "614c372" if sha == "04c36d6" else sha)
+def test_the_shown_record_check_catches_another_record():
+    """Planted: outputs that name stage 08's paths record in place of every file they name must fail."""
+    assert _off_shown(lambda text: {"results/h200/stage08/paths_04c36d6.json"} if _files_named(text) else set())
+
+
+def test_reader_facing_provenance_is_not_repeated_in_prose():
+    """No markdown cell carries a "(H200, 2026-12-01, commit abc1234, `results/...`)" tail (nor "(FLA rows: H200,
+    ..., commit ...)"): the output above it names its record."""
+    tail = re.compile(r"\((?:[^()]*: )?(?:an? )?(?:H200|H100)[^()]*?commit [0-9a-f]{7}")
+    bad = [(doc, m.group(0)[:60]) for doc, text in DOCS if doc.endswith(".ipynb") for m in tail.finditer(text)]
+    assert not bad, bad
 
 
 def test_one_digit_figures_and_decimals_are_figures():

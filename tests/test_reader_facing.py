@@ -43,9 +43,9 @@ def test_the_check_finds_a_lab_log_line():
 
 
 def test_provenance_is_one_short_line():
-    """A record's label names the device, the day(s) and the commit(s), not the command or its notes."""
+    """A record's label names the device, the day(s), the commit(s) and its file, not the command or its notes."""
     for name in ("tc_stages", "fp32_stages", "checks"):
         meta = results.recorded(name)["meta"]
         line = results.label(meta)
-        assert len(line) <= 120 and meta["device"] in line and "command" not in line, line
+        assert len(line) <= 160 and meta["device"] in line and "command" not in line, line
         assert all(c[:7] in line for c in re.findall(r"\b[0-9a-f]{7,12}\b", meta["commit"])), line
