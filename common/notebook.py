@@ -1632,8 +1632,18 @@ def u_and_ring(stage_id="12"):
     rows, slots = race["rows"], declared_records("race")[sid]["slots"]  # at K = 64, each variant's
     ring64 = pd.DataFrame([{"slots": slots[r["variant"]], "us": 1e3 * r["fwd_graph_ms"]} for r in rows])
     ring64 = ring64.groupby("slots", sort=False).us.agg(["min", "max", "count"])
-    print(f"K = 64, {rows[0]['path']} {bench.shape_label(rows[0])}: GPU us over fresh allocations; "
-          f"stage.LONE_RING64 = {load_stage(sid).LONE_RING64}")
+    if sid in declared_records("ring_switch"):  # the switch (deep_ring), one build, both gates
+        (sw,), _ = _stage_records(sid, "ring_switch")
+        t = {}
+        for r in sw["rows"]:
+            t.setdefault((bench.shape_label(r), r["gate"]), {}).setdefault(r["ring"], []).append(r["graph_ms"])
+        ratio = pd.Series({k: float(pd.Series(d["4 slots"]).median() / pd.Series(d["rule"]).median()) for k, d in t.items()})
+        print(f"K = 64, deep_ring(False) in the same build: 4 slots take {ratio.min():.3f}x to {ratio.max():.3f}x "
+              f"the 8-slot ring's GPU time at {len({k[0] for k in t})} shapes, both gates (median of "
+              f"{len(next(iter(t.values()))['rule'])} rounds); bitwise equal: "
+              f"{all(r['bitwise_equal'] for r in sw['rows'])}")
+    print(f"K = 64, {rows[0]['path']} {bench.shape_label(rows[0])}, one build per ring depth (slots): GPU us over "
+          f"fresh allocations; stage.LONE_RING64 = {load_stage(sid).LONE_RING64}")
     return ring64.style.format("{:.1f}", subset=["min", "max"])
 
 

@@ -69,7 +69,7 @@ SPEC = StageSpec(
     extra={"cutlass": True, "min_sm": 80},
 )
 
-# No build switches: each variant of the stage's ideas (``pairwise``, ``u_halves``) is an
+# No build switches: each variant of the stage's ideas (``pairwise``, ``u_halves``, ``deep_ring``) is an
 # instantiation of one build, picked per call, so that each runs either way on the same inputs;
 # stage 10's switches are stage 10's.
 ABLATIONS = ()
@@ -189,6 +189,8 @@ RECORDS.update(accuracy="stage12/softplus_acc_e0f3dde",
                           "stage12/speed_k64_6dace24"],
                products="stage12/products_call1",
                ring=dict(file="stage12/ring_d802487", slots={"stage": 3, "r6": 4, "r8": 6, "r12": 8}),
+               # the 8-slot ring at K = 64 against 4 slots with the deep_ring switch, one build, both gates, on an H100
+               ring_switch="../h100/stage12/ring_switch_796e930",
                race=dict(file="stage12/ring_race_25a6d0c",
                          slots={"stage": "12 (25a6d0c as built)", "r4": "4", "r6": "6", "r7": "7", "r8": "8",
                                 "r12": "12", "r8f": "8, barriers first", "r12f": "12, barriers first"}),
