@@ -49,14 +49,16 @@ class ReferenceExtension:
 
     def fwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, o, ht, prof,
             fused=-1, ncw=0, segment_chunks=0, cu_seqlens=None, max_seqlen=0, state_v_first=False,
-            l2norm=True, beta_mode=1, *, seq_lens=(), long_from=-1, pairwise=-1, u_halves=True):
+            l2norm=True, beta_mode=1, *, seq_lens=(), long_from=-1, pairwise=-1, u_halves=True,
+            deep_ring=-1):
         """The binding's fwd (the arguments after beta_mode by name: stages 11 and 12 order them apart)."""
         self.calls.append(dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=h0, scale=scale,
                                gate_id=gate_id, lower_bound=lower_bound, chunk_size=chunk_size, o=o, ht=ht,
                                prof=prof, fused=fused, ncw=ncw, segment_chunks=segment_chunks,
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, state_v_first=state_v_first,
                                l2norm=l2norm, beta_mode=beta_mode, seq_lens=list(seq_lens), long_from=long_from,
-                               pairwise=pairwise, u_halves=u_halves, stage=self.stage))
+                               pairwise=pairwise, u_halves=u_halves, deep_ring=deep_ring,
+                               stage=self.stage))
         if gate_id not in GATE_IDS:
             raise ValueError(f"gate_id must be one of {GATE_IDS}, got {gate_id}")
         if beta_mode not in (0, 1, 2):

@@ -92,7 +92,7 @@ def test_the_recorded_paths_pass_their_checks(recorded, capsys, sid):
     assert all(notebook.path_problems(r, pid) == [] for r in rows)
     df = notebook.paths_table(sid)
     out = capsys.readouterr().out
-    assert f"path checks: {len(rows)} of {len(rows)} rows as expected" in out and "recorded on NVIDIA H200" in out
+    assert f"path checks: {len(rows)} of {len(rows)} rows as expected" in out and "Recorded on NVIDIA H200" in out
     assert (df["check"] == "ok").all() and (df["where"] == "recorded").all()
     # the table is the file: the rule at B=8 (the fused kernel) against the previous stage and FlashKDA, same call
     rule = df.loc[(B8, "rule")]

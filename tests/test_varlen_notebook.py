@@ -43,7 +43,7 @@ def recorded(monkeypatch):
 def test_the_recorded_table_is_the_file(recorded, capsys):
     df = notebook.varlen_table("11").data
     out = capsys.readouterr().out
-    assert "recorded on NVIDIA H200" in out and "commit dacff50" in out
+    assert "Recorded on NVIDIA H200" in out and "commit dacff50" in out
     # stage 11's rows only (not stage 12's): per mix FlashKDA, both layouts, two pins; the loop at the first
     assert len(df) == 21 and set(df["where"]) == {"recorded"}
     assert list(df.index.get_level_values("mix").unique()) == ["flashkda", "serving64", "long+short", "few-long"]
