@@ -486,11 +486,11 @@ def resources(stage_id) -> pd.DataFrame:
                               extra_flags=getattr(stage, "CUDA_FLAGS", ()))
     df = pd.DataFrame(rows).rename(columns={"smem_bytes": "static_smem_bytes"})
     if "cuda" not in stage.SPEC.devices:
-        return df
+        return _short_kernels(df)
     launched, where = launches(stage_id)
     print(f"launch configuration: {where}")
     if not launched:
-        return df
+        return _short_kernels(df)
     base = df["kernel"].str.replace(r"<.*", "", regex=True).str.split("::").str[-1]
     symbols = {}
     if any(x.get("symbol") for x in launched):  # exact: the instantiation's mangled name
@@ -520,7 +520,23 @@ def resources(stage_id) -> pd.DataFrame:
             tag = x["direction"] + ("" if len(cand) == 1 else f" (one of {len(cand)} instantiations)")
             e["launched"] = " / ".join(sorted(set(filter(None, e["launched"].split(" / "))) | {tag}))
             e.update(grid=x["grid"], block=x["block"], dynamic_smem_bytes=x["dynamic_smem"])
-    return pd.concat([df, pd.DataFrame(extra)], axis=1)
+    out = pd.concat([df, pd.DataFrame(extra)], axis=1)
+    for c in ("grid", "block", "dynamic_smem_bytes"):
+        out[c] = out[c].astype("Int64")  # whole numbers; <NA> where the kernel is not launched at that shape
+    print(f"launched: what one call at that shape launches, with its grid, block and dynamic shared memory; "
+          f"the other {int((out['launched'] == '').sum())} kernels serve other shapes, paths or checks")
+    return _short_kernels(out)
+
+
+def _short_kernels(df: pd.DataFrame) -> pd.DataFrame:
+    """The kernel column as a reader reads it: ``kda_fused_kernel<128, 128, 8>`` for
+    ``void kda_stage::kda_fused_kernel<128, 128, 8>``; a line for every kernel that spills."""
+    df = df.copy()
+    df["kernel"] = df["kernel"].str.replace(r"^void\s+", "", regex=True).str.replace(r"\b\w+::", "", regex=True)
+    for _, r in df[(df["spill_stores"] > 0) | (df["spill_loads"] > 0)].iterrows():
+        print(f"spills: {r['kernel']} at {r['registers']} registers stores {r['spill_stores']} and loads "
+              f"{r['spill_loads']} bytes to local memory ({r['stack_bytes']} bytes of stack)")
+    return df
 
 
 @figure
