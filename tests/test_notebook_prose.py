@@ -44,3 +44,39 @@ def test_the_count_drops_tables_and_fenced_blocks():
     nb = {"cells": [{"cell_type": "markdown", "source": ["one two\n", "| a | b |\n", "```\nx y z\n```\nthree"]},
                     {"cell_type": "code", "source": ["not counted"]}]}
     assert prose_words(nb) == 3
+
+
+TC_CHAPTERS = [s for s in STAGES if int(s[:2]) >= 5]  # the tensor-core chapters (issue 37)
+
+
+def idea_picture(nb: dict) -> str | None:
+    """What shows the chapter's idea before its build: a fenced diagram in a markdown cell, or a code cell that
+    draws one (``plot_...``); None if the chapter reaches ``## Build`` without either."""
+    for c in nb["cells"]:
+        s = "".join(c["source"])
+        if c["cell_type"] == "markdown":
+            if s.lstrip().startswith("## Build"):
+                return None
+            if re.search(r"```\n.+?```", s, flags=re.S):
+                return "a fenced diagram"
+        elif re.search(r"\bplot_\w+\(", s):
+            return "a drawn figure"
+    return None
+
+
+@pytest.mark.parametrize("stage", TC_CHAPTERS)
+def test_every_tensor_core_chapter_pictures_its_idea_before_its_build(stage):
+    nb = json.loads((NOTEBOOKS / f"{stage}.ipynb").read_text())
+    assert idea_picture(nb), f"{stage}: no picture of the idea (a fenced diagram or a plot_ call) before '## Build'"
+
+
+def test_the_picture_check_finds_a_chapter_without_one():
+    """Planted: chapter 12 with its diagram taken out fails; a diagram after the build does not count."""
+    nb = json.loads((NOTEBOOKS / "12_softplus.ipynb").read_text())
+    assert idea_picture(nb) == "a fenced diagram"
+    for c in nb["cells"]:
+        if c["cell_type"] == "markdown":
+            c["source"] = [re.sub(r"```.*?```", "", "".join(c["source"]), flags=re.S)]
+    assert idea_picture(nb) is None
+    nb["cells"].append({"cell_type": "markdown", "source": ["```\na picture too late\n```"]})
+    assert idea_picture(nb) is None
