@@ -279,18 +279,25 @@ def _check_pairwise(pin, c):
 
 
 @contextmanager
+def _pinned(var: ContextVar, name: str, on):
+    """Set one variant pin (True, False or None: the rule's) for the calls inside the block."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"{name} must be True, False or None, got {on!r}")
+    token = var.set(on)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextmanager
 def pairwise(on=True):
     """Pin how the calls inside the block form L and Aqk: True pair by pair in every chunk
     (any gate), False factored through exp(-gc) in every chunk (stage 11's; only a bounded
     gate: the softplus gate raises at its call), None the gate's own choice (a bounded gate
     factored; a gate without a bound pair by pair in its wide chunks, factored elsewhere)."""
-    if on is not None and not isinstance(on, bool):
-        raise TypeError(f"pairwise must be True, False or None, got {on!r}")
-    token = _PAIRWISE.set(on)
-    try:
+    with _pinned(_PAIRWISE, "pairwise", on):
         yield
-    finally:
-        _PAIRWISE.reset(token)
 
 
 @contextmanager
@@ -299,13 +306,8 @@ def u_halves(on=True):
     Af_hi + Af_lo, so that u, from which every state update is built, carries no bf16
     rounding of Af (a gate without a bound does so by default); False with Af rounded to
     bf16 once, as stages 05-11 (a bounded gate's default: stage 11's bits); None the gate's."""
-    if on is not None and not isinstance(on, bool):
-        raise TypeError(f"u_halves must be True, False or None, got {on!r}")
-    token = _U_HALVES.set(on)
-    try:
+    with _pinned(_U_HALVES, "u_halves", on):
         yield
-    finally:
-        _U_HALVES.reset(token)
 
 
 @contextmanager
@@ -314,13 +316,8 @@ def deep_ring(on=True):
     (kLoneStages64) wherever they fit a block's shared memory, False 4 (kStagesFor, stage 11's),
     None the rule's (8 where every K2 block has an SM, else 4). True with K = 128 raises at the
     call. The fused path has no ring of K2's and ignores it."""
-    if on is not None and not isinstance(on, bool):
-        raise TypeError(f"deep_ring must be True, False or None, got {on!r}")
-    token = _DEEP_RING.set(on)
-    try:
+    with _pinned(_DEEP_RING, "deep_ring", on):
         yield
-    finally:
-        _DEEP_RING.reset(token)
 
 
 def frag_check(A, X):
