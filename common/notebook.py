@@ -486,11 +486,11 @@ def resources(stage_id) -> pd.DataFrame:
                               extra_flags=getattr(stage, "CUDA_FLAGS", ()))
     df = pd.DataFrame(rows).rename(columns={"smem_bytes": "static_smem_bytes"})
     if "cuda" not in stage.SPEC.devices:
-        return _short_kernels(df)
+        return _for_the_reader(df)
     launched, where = launches(stage_id)
     print(f"launch configuration: {where}")
     if not launched:
-        return _short_kernels(df)
+        return _for_the_reader(df)
     base = df["kernel"].str.replace(r"<.*", "", regex=True).str.split("::").str[-1]
     symbols = {}
     if any(x.get("symbol") for x in launched):  # exact: the instantiation's mangled name
@@ -525,12 +525,12 @@ def resources(stage_id) -> pd.DataFrame:
         out[c] = out[c].astype("Int64")  # whole numbers; <NA> where the kernel is not launched at that shape
     print(f"launched: what one call at that shape launches, with its grid, block and dynamic shared memory; "
           f"the other {int((out['launched'] == '').sum())} kernels serve other shapes, paths or checks")
-    return _short_kernels(out)
+    return _for_the_reader(out)
 
 
-def _short_kernels(df: pd.DataFrame) -> pd.DataFrame:
-    """The kernel column as a reader reads it: ``kda_fused_kernel<128, 128, 8>`` for
-    ``void kda_stage::kda_fused_kernel<128, 128, 8>``; a line for every kernel that spills."""
+def _for_the_reader(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as a reader reads it: kernel names without ``void`` and namespaces
+    (``kda_fused_kernel<128, 128, 8>``), and a printed line for every kernel that spills."""
     df = df.copy()
     df["kernel"] = df["kernel"].str.replace(r"^void\s+", "", regex=True).str.replace(r"\b\w+::", "", regex=True)
     for _, r in df[(df["spill_stores"] > 0) | (df["spill_loads"] > 0)].iterrows():
