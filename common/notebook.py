@@ -255,13 +255,10 @@ def fla_error_table(stage_id) -> pd.DataFrame:
     return df.style.format({"err_fla": "{:.2e}", "fla_err_ref": "{:.2e}", "tol_fla": "{:.0e}"}, na_rep="-")
 
 
-@figure
-def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
-    """The region profile of a stage next to the previous one (same unit only),
-    one bar per kernel or direction: each region's share, the bar's total at
-    its right. Live when possible, else recorded: from results/h200/profiles.json,
-    or from the record the stage declares as RECORDS["region_profile"] (both
-    stages from one call)."""
+def _region_profiles(stage_id, compare_previous: bool = True, backward: bool = True):
+    """The region profiles :func:`profile` and :func:`profile_moves` show: ({stage name: {region: value}},
+    the shape, the unit). Live when possible, else recorded (results/h200/profiles.json, or the record the
+    stage declares as RECORDS["region_profile"]: both stages from one call); says which, once."""
     ids = [stage_id]
     pid = previous(stage_id)
     if compare_previous and pid is not None:
@@ -294,6 +291,15 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
     print("; ".join(notes) + f" -- shape {bench.shape_label(shape)}")
     if meta is not None and any("recorded" in n for n in notes):
         _say_recorded(meta, shown)
+    return profs, shape, unit
+
+
+@figure
+def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
+    """The region profile of a stage next to the previous one (same unit only),
+    one bar per kernel or direction: each region's share, the bar's total at
+    its right. Live when possible, else recorded (:func:`_region_profiles`)."""
+    profs, shape, unit = _region_profiles(stage_id, compare_previous, backward)
     if not profs:
         return None
     bars = {}
@@ -301,6 +307,54 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
         bars.update(split_bars(name, prof))
     what = "wall time" if unit == "s" else "clock64 cycles per block"
     return plot_profile(bars, unit, title=f"Where the time goes ({what}), {bench.shape_label(shape)}")
+
+
+MOVED = 0.05  # profile_moves names a region that moved by more than this fraction either way
+
+
+def split_chunk_profile(prof: dict, T: int, chunk: int = 16) -> dict:
+    """A split path's region profile (clock64 cycles per block, mean over blocks) per chunk: K1 runs one
+    block per chunk, so its regions are as they are; a K2 block (its compute warps and its load warp)
+    walks the NT = ceil(T / chunk) chunks of its sequence in turn, so its regions are divided by NT.
+    ValueError for a region of neither kernel."""
+    if T < 1:
+        raise ValueError(f"T must be positive, got {T}")
+    nt = -(-T // chunk)
+    out = {}
+    for region, v in prof.items():
+        kernel = region.split(":", 1)[0].split()[0]
+        if kernel not in ("K1", "K2"):
+            raise ValueError(f"{region!r} is a region of neither K1 nor K2: not a split path's profile")
+        out[region] = v if kernel == "K1" else v / nt
+    return out
+
+
+def profile_moves(stage_id) -> pd.DataFrame:
+    """What moved between the previous stage's profile and this one's (:func:`profile`'s figures), in clock64
+    cycles per chunk (:func:`split_chunk_profile`): each region of either stage, both values and their
+    ratio, and each kernel's total. Prints the regions that moved by more than 5%, fewer cycles first."""
+    sid = normalize(stage_id)
+    profs, shape, unit = _region_profiles(sid, backward=False)
+    prev, this = (load_stage(s).SPEC.name for s in (previous(sid), sid))
+    if unit == "s" or prev not in profs or this not in profs:
+        raise ValueError(f"profile_moves compares two cycle profiles of the tensor-core stages; "
+                         f"have {sorted(profs)} in {unit}")
+    per = {n: split_chunk_profile(profs[n], shape["T"]) for n in (prev, this)}
+    regions = list(dict.fromkeys(list(per[prev]) + list(per[this])))
+    table = pd.DataFrame({prev[:2]: [per[prev].get(r) for r in regions],
+                          this[:2]: [per[this].get(r) for r in regions]}, index=pd.Index(regions, name="region"),
+                         dtype=float)
+    for kernel in ("K1", "K2"):  # each kernel's total; K2's compute warps apart from its load warp
+        rows = [r for r in regions if r.startswith(kernel + ":")]
+        table.loc[f"{kernel} total" if kernel == "K1" else "K2 compute warps: total"] = table.loc[rows].sum()
+    table["ratio"] = table[this[:2]] / table[prev[:2]]
+    moved = table["ratio"].drop([i for i in table.index if i.endswith("total")]).dropna()
+    less = [f"{r} {v:.2f}x" for r, v in moved.sort_values().items() if v < 1 - MOVED]
+    more = [f"{r} {v:.2f}x" for r, v in moved.sort_values(ascending=False).items() if v > 1 + MOVED]
+    print(f"cycles per chunk at {bench.shape_label(shape)} (K1: per block, one chunk each; K2: per block / "
+          f"{-(-shape['T'] // 16)} chunks); stage {this[:2]} against {prev[:2]}, by more than {MOVED:.0%}: "
+          f"fewer: {', '.join(less) or 'none'}; more: {', '.join(more) or 'none'}")
+    return table.style.format({prev[:2]: "{:,.0f}", this[:2]: "{:,.0f}", "ratio": "{:.2f}"}, na_rep="-")
 
 
 _LIVE: dict = {}  # live sweeps, measured once per notebook session

@@ -103,6 +103,8 @@ PATTERNS = [  # (kind, regex with the figures in groups 1 and 2, the unit in gro
     ("ratio", re.compile(rf"(?<![\w.^=])({NUM})(?:\s*(?:-|–|to)\s*({NUM}))?\s*(x)\b(?!\s*\d)(?!\s+[A-Za-z_]\w*\s+x\b)")),
     ("memory", re.compile(rf"(?<![\w.^])({NUM})(?:{_SEP}({NUM}))?\s*(MB|GB)\b")),
     ("percent", re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to)\s*({NUM}))?\s*(%)")),
+    # clock64 cycles written out ("407 cycles per chunk", "317 → 189 cycles"): a value, like "4.86e3 cycles"
+    ("cycles", re.compile(rf"(?<![\w.^])({NUM})(?:\s*(?:-|–|to|against|/|->|→)\s*({NUM}))?(?=\s*cycles\b)()")),
     # a decimal without a unit ("0.1657, 0.7620 and 1.1732 ms", "0.42 warps per cycle"): in the unit of the
     # record it quotes. Not a version ("CUDA 13.0", "Python 3.11", "2.11.0") and not inside `code`.
     ("decimal", re.compile(r"(?<![\w.^/\-])(\d+\.\d+)(?![\w.]*\w)(?!\.\d)()()")),
@@ -349,6 +351,9 @@ def _file_atoms(rel: str, data) -> list[Atom]:
             bar = r["region"].split(":")[0]
             k = (r.get("stage"), _shape(r), bar)
             sums.setdefault(k, [0.0, base - {t for t in base if t.startswith("region:")}])[0] += r["value"]
+            per = _per_chunk(r["region"], r.get("T"))
+            if per:
+                atoms.append(Atom(f"{rel}#/rows/{i}/value@chunk", r["value"] / per, "value", base | {"per:chunk"}))
         prof = r.get("profile")
         if isinstance(prof, dict) and set(r.get("kernels") or ()) == FUSED_KERNELS and isinstance(r.get("T"), int):
             for teams in (prep_teams(r.get("stage", "09")[:2]), 1):  # the stage's teams; one before 3758aa5
@@ -364,7 +369,21 @@ def _file_atoms(rel: str, data) -> list[Atom]:
     for (stage, shape, bar), (v, tags) in sums.items():
         atoms.append(Atom(f"{rel}#sum/{stage}/{'x'.join(map(str, shape or ()))}/{bar}", v, "value",
                           tags | {f"bar:{bar}"}, ("bar", bar)))
+        per = _per_chunk(bar, shape[1] if shape else None)
+        if per:
+            atoms.append(Atom(f"{rel}#sum/{stage}/{'x'.join(map(str, shape))}/{bar}@chunk", v / per, "value",
+                              tags | {f"bar:{bar}", "per:chunk"}))
     return atoms
+
+
+def _per_chunk(region: str, T) -> int | None:
+    """What a split path's region (or bar) is divided by to give cycles per chunk (common.notebook.
+    split_chunk_profile): 1 for K1 (a block per chunk), NT for K2 (a block walks its NT chunks); None for
+    any other region or without T."""
+    kernel = region.split(":", 1)[0].split()[0] if region else ""
+    if kernel not in ("K1", "K2") or not isinstance(T, int) or T < 1:
+        return None
+    return 1 if kernel == "K1" else -(-T // 16)
 
 
 @lru_cache(maxsize=1)
@@ -647,7 +666,7 @@ class Binder:
         """(entry, atoms) whose value rounds to the figure. A ratio or percentage is first looked for
         among ``near``, the records of the figures beside it (its line's "0.58 against 0.82 ms")."""
         x = fig.number
-        if fig.kind in ("time", "memory", "value", "decimal"):
+        if fig.kind in ("time", "memory", "value", "decimal", "cycles"):
             for (fu, au), f in TO_UNIT.items():
                 if fu != fig.unit:
                     continue

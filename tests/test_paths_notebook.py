@@ -232,3 +232,31 @@ def test_fused_profile_of_a_stage_without_its_own_says_so(capsys):
     for sid in own:
         assert notebook.fused_profile(sid) is None
         assert "no fused-kernel profile of" in capsys.readouterr().out
+
+
+def test_split_chunk_profile_divides_k2_by_its_chunks():
+    prof = {"K1: inverse": 1000.0, "K2: vcorr": 2560.0, "K2 load warp: issue cp.async": 1280.0}
+    assert notebook.split_chunk_profile(prof, 2048) == {"K1: inverse": 1000.0, "K2: vcorr": 20.0,
+                                                       "K2 load warp: issue cp.async": 10.0}
+    assert notebook.split_chunk_profile(prof, 2047)["K2: vcorr"] == 20.0  # a tail chunk is a chunk
+    with pytest.raises(ValueError, match="neither K1 nor K2"):
+        notebook.split_chunk_profile({"fwd: recurrence": 1.0}, 2048)
+    with pytest.raises(ValueError, match="T must be positive"):
+        notebook.split_chunk_profile(prof, 0)
+
+
+@pytest.mark.parametrize("sid", ["06", "07", "08", "11"])
+def test_profile_moves_of_the_recorded_profiles(capsys, sid):
+    """The table the chapters quote: both stages' regions per chunk, each kernel's total, their ratio; the
+    printed line names what moved each way. Stage 07's register path must show vcorr and S to bf16 shorter."""
+    table = notebook.profile_moves(sid).data
+    out = capsys.readouterr().out
+    prev = previous(sid)
+    assert list(table.columns) == [prev, sid, "ratio"]
+    k2 = [r for r in table.index if r.startswith("K2:")]
+    assert table.loc["K2 compute warps: total", sid] == pytest.approx(table.loc[k2, sid].sum())
+    assert (table["ratio"].dropna() == (table[sid] / table[prev]).dropna()).all()
+    assert "per block / 128 chunks" in out and "fewer:" in out and "more:" in out
+    if sid == "07":
+        assert table.loc["K2: vcorr", "ratio"] < 0.7 and table.loc["K2: S to bf16", "ratio"] < 0.7
+        assert "K2: wait for operands 1.49x" in out.split("more:")[1]

@@ -249,6 +249,29 @@ def test_one_digit_figures_and_decimals_are_figures():
                    ("1.198", "time", "ms")], got
 
 
+def test_cycles_written_out_are_figures():
+    """A cycle count printed as a whole number ("197 cycles", "2,005 against 4,784 cycles", "317 → 189 cycles") is
+    a figure like "4.86e3 cycles"; a number that "cycles" does not follow is not one."""
+    text = "wait 197 cycles; 2,005 against 4,784 cycles; 317 → 189 cycles; from 11,372 to 1,039 cycles; 128 chunks"
+    got = [(f.text, f.kind) for f in prose.figures("x.md", text)]
+    assert got == [("197", "cycles"), ("2,005", "cycles"), ("4,784", "cycles"), ("317", "cycles"), ("189", "cycles"),
+                   ("11,372", "cycles"), ("1,039", "cycles")], got
+
+
+def test_split_profiles_give_cycles_per_chunk():
+    """A split path's region row gives its cycles per chunk as an atom (K1 as it is, K2 over the NT chunks its
+    block walks), and so does each kernel's sum; a region of neither kernel gives none."""
+    data = {"meta": {"commit": "abcdef1"}, "rows": [
+        dict(stage="07_movm_register", region="K1: inverse", value=1000.0, B=2, T=2048, H=4, K=64, V=64),
+        dict(stage="07_movm_register", region="K2: vcorr", value=2560.0, B=2, T=2048, H=4, K=64, V=64),
+        dict(stage="07_movm_register", region="K2: S decay", value=1280.0, B=2, T=2048, H=4, K=64, V=64),
+        dict(stage="04_warp", region="fwd: recurrence", value=5.0, B=2, T=2048, H=4, K=64, V=64)]}
+    got = {a.id.split("#")[1]: a.value for a in prose._file_atoms("results/x.json", data) if "per:chunk" in a.tags}
+    assert got == {"/rows/0/value@chunk": 1000.0, "/rows/1/value@chunk": 20.0, "/rows/2/value@chunk": 10.0,
+                   "sum/07_movm_register/2x2048x4x64/K1@chunk": 1000.0,
+                   "sum/07_movm_register/2x2048x4x64/K2@chunk": 30.0}, got
+
+
 def test_bounds_ranges_and_facts():
     """"within 0.7x" of a worst round at 0.66x is an upper bound: the tightest at its digits (0.6 is false,
     0.8 true but loose: both fail); a range's end is its set's extreme, rounded; a fact is a number a stage
