@@ -329,30 +329,40 @@ def split_chunk_profile(prof: dict, T: int, chunk: int = 16) -> dict:
     return out
 
 
+def _split_path_profile(prof: dict) -> bool:
+    """Are these the regions of a split path (K1 + K2), the only ones :func:`split_chunk_profile` takes?"""
+    return bool(prof) and all(r.split(":", 1)[0].split()[0] in ("K1", "K2") for r in prof)
+
+
 def profile_moves(stage_id) -> pd.DataFrame:
     """What moved between the previous stage's profile and this one's (:func:`profile`'s figures), in clock64
     cycles per chunk (:func:`split_chunk_profile`): each region of either stage, both values and their
-    ratio, and each kernel's total. Prints the regions that moved by more than 5%, fewer cycles first."""
+    ratio, and each kernel's total. Prints the regions that moved by more than 5%, fewer cycles first. Where
+    the previous stage's kernels are not a split path's (stage 05 after the fp32 stages), this stage alone."""
     sid = normalize(stage_id)
     profs, shape, unit = _region_profiles(sid, backward=False)
     prev, this = (load_stage(s).SPEC.name for s in (previous(sid), sid))
-    if unit == "s" or prev not in profs or this not in profs:
-        raise ValueError(f"profile_moves compares two cycle profiles of the tensor-core stages; "
+    if unit == "s" or this not in profs or not _split_path_profile(profs[this]):
+        raise ValueError(f"profile_moves takes the cycle profile of a tensor-core stage's split path; "
                          f"have {sorted(profs)} in {unit}")
-    per = {n: split_chunk_profile(profs[n], shape["T"]) for n in (prev, this)}
-    regions = list(dict.fromkeys(list(per[prev]) + list(per[this])))
-    table = pd.DataFrame({prev[:2]: [per[prev].get(r) for r in regions],
-                          this[:2]: [per[this].get(r) for r in regions]}, index=pd.Index(regions, name="region"),
-                         dtype=float)
+    names = [n for n in (prev, this) if n in profs and _split_path_profile(profs[n])]
+    per = {n: split_chunk_profile(profs[n], shape["T"]) for n in names}
+    regions = list(dict.fromkeys(r for n in names for r in per[n]))
+    table = pd.DataFrame({n[:2]: [per[n].get(r) for r in regions] for n in names},
+                         index=pd.Index(regions, name="region"), dtype=float)
     for kernel in ("K1", "K2"):  # each kernel's total; K2's compute warps apart from its load warp
         rows = [r for r in regions if r.startswith(kernel + ":")]
         table.loc[f"{kernel} total" if kernel == "K1" else "K2 compute warps: total"] = table.loc[rows].sum()
+    where = (f"cycles per chunk at {bench.shape_label(shape)} (K1: per block, one chunk each; K2: per block / "
+             f"{-(-shape['T'] // 16)} chunks)")
+    if len(names) == 1:
+        print(f"{where}; stage {prev[:2]}'s kernels are not a split path's: stage {this[:2]} alone")
+        return table.style.format("{:,.0f}", na_rep="-")
     table["ratio"] = table[this[:2]] / table[prev[:2]]
     moved = table["ratio"].drop([i for i in table.index if i.endswith("total")]).dropna()
     less = [f"{r} {v:.2f}x" for r, v in moved.sort_values().items() if v < 1 - MOVED]
     more = [f"{r} {v:.2f}x" for r, v in moved.sort_values(ascending=False).items() if v > 1 + MOVED]
-    print(f"cycles per chunk at {bench.shape_label(shape)} (K1: per block, one chunk each; K2: per block / "
-          f"{-(-shape['T'] // 16)} chunks); stage {this[:2]} against {prev[:2]}, by more than {MOVED:.0%}: "
+    print(f"{where}; stage {this[:2]} against {prev[:2]}, by more than {MOVED:.0%}: "
           f"fewer: {', '.join(less) or 'none'}; more: {', '.join(more) or 'none'}")
     return table.style.format({prev[:2]: "{:,.0f}", this[:2]: "{:,.0f}", "ratio": "{:.2f}"}, na_rep="-")
 

@@ -260,3 +260,12 @@ def test_profile_moves_of_the_recorded_profiles(capsys, sid):
     if sid == "07":
         assert table.loc["K2: vcorr", "ratio"] < 0.7 and table.loc["K2: S to bf16", "ratio"] < 0.7
         assert "K2: wait for operands 1.49x" in out.split("more:")[1]
+
+
+def test_profile_moves_of_the_first_tensor_core_stage_shows_it_alone(capsys):
+    """Stage 04's fp32 kernels have regions of their own: stage 05's table is its own column, no ratio."""
+    table = notebook.profile_moves("05").data
+    assert list(table.columns) == ["05"] and "stage 05 alone" in capsys.readouterr().out
+    assert table.loc["K2: loads / barriers", "05"] == pytest.approx(388668 / 128, rel=1e-3)
+    with pytest.raises(ValueError, match="split path"):
+        notebook.profile_moves("04")
