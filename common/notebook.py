@@ -1784,7 +1784,7 @@ def summit_table(stage_id=None):
 
 def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
     """Where a gate without a bound costs, region by region (RECORDS["gate_profile"], scripts/profile_gates.py):
-    clock64 cycles per block of stage 11 and the last stage on the bounded gate and of the last stage with the
+    clock64 cycles per chunk (:func:`split_chunk_profile`) of stage 11 and the last stage on the bounded gate and of the last stage with the
     softplus gate, at one shape; ``softplus / bounded`` the last stage's two gates. Prints the regions that
     moved by more than 5% either way."""
     sid = normalize(stage_id or last_stage())
@@ -1793,13 +1793,16 @@ def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
     if not rows:
         raise ValueError(f"the gate profile record has no rows at {shape}: "
                          f"{sorted({bench.shape_label(r) for r in data['rows']})}")
-    table = pd.DataFrame([{"region": r["region"], "who": f"{r['stage'][:2]} {r['gate']}", "cycles": r["value"]}
+    T = {r["T"] for r in rows}.pop()  # one shape
+    table = pd.DataFrame([{"region": r["region"], "who": f"{r['stage'][:2]} {r['gate']}",
+                           "cycles": split_chunk_profile({r["region"]: r["value"]}, T)[r["region"]]}
                           for r in rows]).pivot(index="region", columns="who", values="cycles")
     table = table.loc[list(dict.fromkeys(r["region"] for r in rows))]
     last = sid[:2]
     table["softplus / bounded"] = table[f"{last} softplus"] / table[f"{last} bounded"]
     moved = table["softplus / bounded"]
-    print(f"{shape}: the softplus gate against the bounded gate's instantiation, per block; moved by more than 5%: "
+    print(f"{shape}: the softplus gate against the bounded gate's instantiation, cycles per chunk (K1 a block per "
+          f"chunk, K2 its block over {-(-T // 16)} chunks); moved by more than 5%: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in moved.items() if abs(v - 1) > 0.05))
     return table.style.format({c: "{:,.0f}" for c in table.columns if c != "softplus / bounded"}
                               | {"softplus / bounded": "{:.2f}"})

@@ -258,6 +258,23 @@ def test_cycles_written_out_are_figures():
                    ("11,372", "cycles"), ("1,039", "cycles")], got
 
 
+SPLIT_UNIT = re.compile(r"(?<![\w.^])\d+(?:,\d{3})*\s*$")  # a whole number ending a line
+NEXT_UNIT = re.compile(r"\s*(?:cycles|ms|s|us|µs|MB|GB|x|%)(?!\w)")  # the unit it would have on the next line
+
+
+def _split_from_unit(docs) -> list[str]:
+    return [f"{doc}: {a.strip()[-40:]!r} / {b.strip()[:20]!r}" for doc, text in docs
+            for a, b in zip(text.splitlines(), text.splitlines()[1:])
+            if SPLIT_UNIT.search(a) and NEXT_UNIT.match(b)]
+
+
+def test_no_whole_number_is_split_from_its_unit():
+    """Figures are read line by line: a whole number at a line's end whose unit starts the next line ("wait 407"
+    / "cycles per chunk") would be read as no figure at all and so never checked. Keep the two on one line."""
+    assert not _split_from_unit(DOCS)
+    assert _split_from_unit([("x.md", "the warps wait 407\ncycles per chunk")])  # planted: caught
+
+
 def test_split_profiles_give_cycles_per_chunk():
     """A split path's region row gives its cycles per chunk as an atom (K1 as it is, K2 over the NT chunks its
     block walks), and so does each kernel's sum; a region of neither kernel gives none."""
