@@ -1727,6 +1727,29 @@ def u_and_ring(stage_id="12"):
     return ring64.style.format("{:.1f}", subset=["min", "max"])
 
 
+def ideas_at(stage_id) -> pd.DataFrame:
+    """Each switch of a stage built beside it and timed in one call at more than one shape (RECORDS["ideas_at"]:
+    scripts/try_variants.py, one variant per switch named by ``ideas``, the ABLATIONS entry it turns off):
+    per case, the stage's GPU time, each variant's and how much slower the stage is without the idea."""
+    sid = normalize(stage_id)
+    (data,), _ = _stage_records(sid, "ideas_at")
+    names = declared_records("ideas_at")[sid]["ideas"]
+    rows, base = [], {}
+    for r in data["rows"]:
+        case = f"{r['path']} {bench.shape_label(r)}"
+        if r["variant"] == "stage":
+            base[case] = r["fwd_graph_ms"]
+    for r in data["rows"]:
+        case = f"{r['path']} {bench.shape_label(r)}"
+        if r["variant"] != "stage":
+            rows.append({"case": case, "without": names[r["variant"]], "stage ms": base[case],
+                         "without ms": r["fwd_graph_ms"], "x slower without": r["fwd_graph_ms"] / base[case],
+                         "difference from the stage": r["err_vs_stage"]})
+    table = pd.DataFrame(rows).set_index(["case", "without"])
+    return table.style.format({"stage ms": "{:.4f}", "without ms": "{:.4f}", "x slower without": "{:.3f}",
+                               "difference from the stage": "{:.1e}"})
+
+
 def bounded_pairwise(stage_id="12"):
     """The bounded gate: what the pairwise products cost (RECORDS["bounded_before"], an earlier kernel): the
     previous stage, the stage factored (bitwise the previous stage's) and the stage pinned pair by pair, in one

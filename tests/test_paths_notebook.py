@@ -269,3 +269,22 @@ def test_profile_moves_of_the_first_tensor_core_stage_shows_it_alone(capsys):
     assert table.loc["K2: loads / barriers", "05"] == pytest.approx(388668 / 128, rel=1e-3)
     with pytest.raises(ValueError, match="split path"):
         notebook.profile_moves("04")
+
+
+def test_ideas_at_is_its_record_and_names_real_switches():
+    """Stage 10's switches timed at B = 8 and at the seed's shape (RECORDS["ideas_at"]): each variant's time over
+    the stage's in the same case, and every variant named for one of the stage's ABLATIONS (or all three)."""
+    from common.stages import declared_records
+
+    decl = declared_records("ideas_at")["10"]
+    data = notebook.results.recorded(decl["file"])
+    switches = {a.name for a in load_stage("10").ABLATIONS}
+    assert set(decl["ideas"].values()) - {"all three"} <= switches
+    t = notebook.ideas_at("10").data
+    base = {r["path"]: r["fwd_graph_ms"] for r in data["rows"] if r["variant"] == "stage"}
+    for r in data["rows"]:
+        if r["variant"] != "stage":
+            case = f"{r['path']} {bench.shape_label(r)}"
+            got = t.loc[(case, decl["ideas"][r["variant"]]), "x slower without"]
+            assert got == pytest.approx(r["fwd_graph_ms"] / base[r["path"]], rel=1e-12)
+    assert t.loc[("fused8 B8 T1024 H64 K128 V128", "all three"), "x slower without"] > 1.1

@@ -135,6 +135,11 @@ PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2),
 # fused kernel's timeline its notebook shows.
 RECORDS = dict(paths=dict(table="stage10/paths_04c36d6", profile="stage10/profile_2bcc81f", profile_path="fused8",
                           profile_shape=dict(B=8, T=1024, H=64, K=128, V=128)))
+# Three of the switches (and the three together) built beside the stage and timed at B = 8 (fused8) and at the
+# seed's shape (fused4) in one call (scripts/try_variants.py, an H100): what each idea buys where the step is large.
+RECORDS["ideas_at"] = dict(file="../h100/stage10/ideas_b8_2671fbe",
+                           ideas={"frag": "frag_stage09", "smem": "smem_stage09", "rows": "rows_stage09",
+                                  "three": "all three"})
 
 
 _PIN: ContextVar = ContextVar("path_pin", default=(None, None))  # (path name, segment_chunks) of ``path``
