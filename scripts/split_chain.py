@@ -78,6 +78,30 @@ def split_forward(forward, q, k, v, g, beta, *, n_segments: int, initial_state=N
     return o, ht[-1:]
 
 
+def busy_ms(fn, reps: int = 5) -> float:
+    """The GPU's busy time per call of ``fn``: the union of its kernels' intervals (torch.profiler), over
+    ``reps`` calls, divided by ``reps``. Time the host spends between launches is left out, so this is what a
+    single compiled call of the same kernels would take at best, not what the Python composition takes."""
+    from torch.autograd import DeviceType
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # the union of the intervals (kernels on two streams overlap)
+        if a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / reps / 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", "/tmp/kdalab-out")) / "split_chain.json"))
@@ -85,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", default="bounded", choices=("bounded", "softplus"))
     ap.add_argument("--shapes", default=None, help="indices into SHAPES")
     ap.add_argument("--budget", type=float, default=0.4)
+    ap.add_argument("--g-shift", type=float, default=0.0,
+                    help="added to g: -10 makes the bounded gate decay slowly (about 2e-4 a token), so that the "
+                         "state carries across segments and the scan's maps matter")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("split_chain.py needs a CUDA GPU", file=sys.stderr)
@@ -101,13 +128,14 @@ def main(argv=None) -> int:
     shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     for shape in shapes:
         kw = bench.path_inputs(shape, gate=args.gate)
+        kw["g"] = kw["g"] + args.g_shift
         with torch.no_grad():
             o_ref, S_ref = stage.forward(**kw)
 
         def plain():
             with torch.no_grad():
                 return stage.forward(**kw)
-        row = dict(variant="stage", gate=args.gate, **shape)
+        row = dict(variant="stage", gate=args.gate, g_shift=args.g_shift, busy_ms=busy_ms(plain), **shape)
         row.update({"fwd_" + x: y for x, y in bench._timed(plain, "cuda", args.budget, True).items()})
         rows.append(row)
         print(row, flush=True)
@@ -122,7 +150,8 @@ def main(argv=None) -> int:
             o, S = split()
             err = max(float((o.float() - o_ref.float()).norm() / o_ref.float().norm()),
                       float((S.float() - S_ref.float()).norm() / S_ref.float().norm()))
-            row = dict(variant=f"split{n}", segments=n, gate=args.gate, err_vs_stage=err, **shape)
+            row = dict(variant=f"split{n}", segments=n, gate=args.gate, g_shift=args.g_shift, err_vs_stage=err,
+                       busy_ms=busy_ms(split), **shape)
             row.update({"fwd_" + x: y for x, y in bench._timed(split, "cuda", args.budget, True).items()})
             rows.append(row)
             print(row, flush=True)
