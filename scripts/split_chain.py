@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", default="bounded", choices=("bounded", "softplus"))
     ap.add_argument("--shapes", default=None, help="indices into SHAPES")
     ap.add_argument("--budget", type=float, default=0.4)
+    ap.add_argument("--fp64", action="store_true",
+                    help="also each one's error against the fp64 token loop (common.reference; T <= 16384 only)")
     ap.add_argument("--g-shift", type=float, default=0.0,
                     help="added to g: -10 makes the bounded gate decay slowly (about 2e-4 a token), so that the "
                          "state carries across segments and the scan's maps matter")
@@ -131,11 +133,23 @@ def main(argv=None) -> int:
         kw["g"] = kw["g"] + args.g_shift
         with torch.no_grad():
             o_ref, S_ref = stage.forward(**kw)
+        exact = None
+        if args.fp64 and shape["T"] <= 16384:
+            from common.reference import kda_reference
+            with torch.no_grad():
+                exact = kda_reference(**{x: y for x, y in kw.items() if x != "chunk_size"})
+
+        def vs64(o, S):  # the larger of o's and the state's relative error against fp64
+            if exact is None:
+                return None
+            return max(float((o.double() - exact[0]).norm() / exact[0].norm()),
+                       float((S.double() - exact[1]).norm() / exact[1].norm()))
 
         def plain():
             with torch.no_grad():
                 return stage.forward(**kw)
-        row = dict(variant="stage", gate=args.gate, g_shift=args.g_shift, busy_ms=busy_ms(plain), **shape)
+        row = dict(variant="stage", gate=args.gate, g_shift=args.g_shift, err_vs_fp64=vs64(o_ref, S_ref),
+                   busy_ms=busy_ms(plain), **shape)
         row.update({"fwd_" + x: y for x, y in bench._timed(plain, "cuda", args.budget, True).items()})
         rows.append(row)
         print(row, flush=True)
@@ -151,6 +165,7 @@ def main(argv=None) -> int:
             err = max(float((o.float() - o_ref.float()).norm() / o_ref.float().norm()),
                       float((S.float() - S_ref.float()).norm() / S_ref.float().norm()))
             row = dict(variant=f"split{n}", segments=n, gate=args.gate, g_shift=args.g_shift, err_vs_stage=err,
+                       err_vs_fp64=vs64(o, S),
                        busy_ms=busy_ms(split), **shape)
             row.update({"fwd_" + x: y for x, y in bench._timed(split, "cuda", args.budget, True).items()})
             rows.append(row)
