@@ -8,7 +8,8 @@ against this table.
 0. facts: what the lab is about, with no behaviour of its own -- where files
    live (paths), the stage contract (contract), the inputs (inputs), the fp64
    reference (reference), what a tensor-core stage's binding computes from its arguments, on that
-   reference (kernel_model), how errors are measured (metrics), this table.
+   reference (kernel_model), the chunked backward's algorithm the backward kernels follow, on that
+   reference's inputs (backward_model), how errors are measured (metrics), this table.
 1. tools: what works on those facts without knowing the ladder -- building
    extensions (build), calling them (extrun), reading and writing recorded
    results (results), timing (timing), FLA and FlashKDA as references (fla_ref).
@@ -31,6 +32,7 @@ LAYERS = {
     "inputs": "facts",
     "reference": "facts",
     "kernel_model": "facts",
+    "backward_model": "facts",
     "metrics": "facts",
     "build": "tools",
     "extrun": "tools",

@@ -1727,6 +1727,48 @@ def u_and_ring(stage_id="12"):
     return ring64.style.format("{:.1f}", subset=["min", "max"])
 
 
+def times_across_calls(stage_id, shape: str = "B1 T1024 H64 K128 V128") -> pd.DataFrame:
+    """Every recorded GPU time (graph replay) of one stage's own call at one shape, over all the H200's records
+    (results/h200/): a ladder sweep, a paths table's reference rows, a tour. Its kernels are the same in every
+    one of them; the spread between calls is what a ratio taken across two tables would carry, which is why
+    each ratio in the chapters is taken within one call. One line per folder names the files and where they
+    were recorded."""
+    from .paths import RESULTS_DIR
+
+    sid = normalize(stage_id)
+    rows, metas = [], {}
+    for f in sorted((RESULTS_DIR / "h200").rglob("*.json")):
+        rel = os.path.relpath(f, RESULTS_DIR.parent)
+        data = results.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            continue
+        for r in data["rows"]:
+            if not isinstance(r, dict) or str(r.get("stage", ""))[:2] != sid or r.get("path", "rule") != "rule":
+                continue
+            if r.get("variant") not in (None, "full", "stage") or not all(x in r for x in "BTHKV") \
+                    or bench.shape_label(r) != shape:
+                continue
+            ms = r.get("fwd_graph_ms", r.get("graph_ms"))
+            if isinstance(ms, (int, float)):
+                rows.append({"record": rel, "commit": str(r.get("commit") or data["meta"].get("commit", ""))[:7],
+                             "GPU ms": float(ms)})
+                metas[rel] = data["meta"]
+    if not rows:
+        raise ValueError(f"no recorded GPU time of stage {sid} at {shape}")
+    by_folder: dict = {}
+    for rel in metas:
+        by_folder.setdefault(os.path.dirname(rel), []).append(rel)
+    for folder, files in by_folder.items():
+        days = sorted({d for rel in files for d in re.findall(r"\d{4}-\d\d-\d\d", str(metas[rel].get("date", "")))})
+        print(f"{folder}/ ({', '.join(os.path.basename(x) for x in files)}): recorded on "
+              f"{metas[files[0]].get('device')}, {', '.join(days)}")
+    table = pd.DataFrame(rows).sort_values("GPU ms").reset_index(drop=True)
+    lo, hi = table["GPU ms"].min(), table["GPU ms"].max()
+    print(f"stage {sid} at {shape}, its own call: {len(table)} records, {lo:.4f} to {hi:.4f} ms "
+          f"({100 * (hi / lo - 1):.1f}% apart)")
+    return table.style.format({"GPU ms": "{:.4f}"})
+
+
 def ideas_at(stage_id) -> pd.DataFrame:
     """Each switch of a stage built beside it and timed in one call at more than one shape (RECORDS["ideas_at"]:
     scripts/try_variants.py, one variant per switch named by ``ideas``, the ABLATIONS entry it turns off):

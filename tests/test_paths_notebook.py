@@ -288,3 +288,18 @@ def test_ideas_at_is_its_record_and_names_real_switches():
             got = t.loc[(case, decl["ideas"][r["variant"]]), "x slower without"]
             assert got == pytest.approx(r["fwd_graph_ms"] / base[r["path"]], rel=1e-12)
     assert t.loc[("fused8 B8 T1024 H64 K128 V128", "all three"), "x slower without"] > 1.1
+
+
+def test_times_across_calls_lists_every_record_of_the_stage_alone(capsys):
+    """Stage 07 at the seed's shape in every H200 record: its own call only (the paths tables' reference rows, the
+    ladder's sweep, a tour), not another stage's rows nor another path; each file named in the printed lines."""
+    t = notebook.times_across_calls("07").data
+    out = capsys.readouterr().out
+    assert len(t) >= 15 and t["GPU ms"].is_monotonic_increasing
+    assert "results/h200/tc_stages.json" in set(t["record"])
+    assert 0.20 < t["GPU ms"].min() and t["GPU ms"].max() < 0.23  # one kernel: no other stage's or path's time
+    for rec in set(t["record"]):
+        folder, name = rec.rsplit("/", 1)
+        assert f"{folder}/ (" in out and name in out
+    with pytest.raises(ValueError, match="no recorded GPU time"):
+        notebook.times_across_calls("07", shape="B3 T5 H7 K128 V128")
