@@ -122,33 +122,44 @@ def chunk_adjoint(c: dict, S, dS_out, do) -> dict:
     return dict(dq=dq, dk=dk, dv=dv, da=da, dbeta=dbeta)
 
 
+OPERANDS = ("qd", "kr", "w", "u", "Aqk")  # what a prepare kernel hands the chains, stored as bf16 by the kernels
+
+
 def chunked_backward(qn, kn, v, b, a, do, dht=None, *, scale: float, initial_state=None, chunk: int = 16,
-                     every: int = 4, trace: bool = False) -> dict:
+                     every: int = 4, trace: bool = False, operands=None, checkpoints=None) -> dict:
     """The gradients of o = kda_recurrence(qn, kn, v, b, a)[0] and its final state, given do [B, T, H, V] and
     dht [B, H, K, V] (None: zero), through the three kernels of the module docstring: dqn, dkn, dv, da
     [B, T, H, *], db [B, T, H] and dh0 [B, H, K, V]. With ``trace`` also the checkpoints (``states``: the entry
     state of every ``every``-th chunk) and the reverse chain's (``dstates``: the exit gradient of every
-    ``every``-th chunk's last chunk of its group, and of the last chunk)."""
+    ``every``-th chunk's last chunk of its group, and of the last chunk). ``operands`` and ``checkpoints`` (None:
+    exact) round what the kernels keep in memory, as they would, e.g. ``lambda x: x.to(torch.bfloat16).to(x.dtype)``:
+    the chains' operands (OPERANDS) and do, and the two chains' checkpoints; every product is then taken exactly on
+    the rounded values (fp32 accumulation is near exact beside bf16's rounding), which predicts what the storage
+    costs in accuracy."""
     if chunk < 1 or every < 1:
         raise ValueError(f"chunk and every must be positive, got {chunk} and {every}")
     B, T, H, K = qn.shape
     V = v.shape[-1]
     spans = [(t0, min(t0 + chunk, T)) for t0 in range(0, T, chunk)]
     ops = [chunk_operands(qn, kn, v, b, a, scale=scale, t0=s, t1=e) for s, e in spans]
+    same = lambda x: x  # noqa: E731
+    rop, keep = operands or same, checkpoints or same
+    if operands is not None:
+        ops = [dict(c, **{x: rop(c[x]) for x in OPERANDS}) for c in ops]
     S = qn.new_zeros(B, H, K, V) if initial_state is None else initial_state
     # 1. states: the entry state of chunks 0, every, 2 every, ...
     states = {}
     for n, c in enumerate(ops):
         if n % every == 0:
-            states[n] = S
+            states[n] = keep(S)
         S = step(c, S)[2]
     # 2. the reverse chain: the exit gradient of the last chunk of each group (chunks every-1, 2 every-1, ...)
     dS = qn.new_zeros(B, H, K, V) if dht is None else dht
     dstates = {}
-    dos = [do[:, s:e].transpose(1, 2) for s, e in spans]
+    dos = [rop(do[:, s:e].transpose(1, 2)) for s, e in spans]
     for n in range(len(ops) - 1, -1, -1):
         if n % every == every - 1 or n == len(ops) - 1:
-            dstates[n] = dS
+            dstates[n] = keep(dS)
         dS = reverse_step(ops[n], dS, dos[n])[1]
     dh0 = dS
     # 3. the chunk adjoint, each group rebuilt from its two checkpoints

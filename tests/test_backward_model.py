@@ -119,3 +119,20 @@ def test_bad_arguments():
     for kw in (dict(chunk=0), dict(every=0)):
         with pytest.raises(ValueError, match="must be positive"):
             bm.chunked_backward(qn, kn, v, b, a, do, dht, scale=0.5, **kw)
+
+
+def test_rounding_what_is_stored_reaches_the_gradients_it_should():
+    """bf16 checkpoints move the chunk adjoint's gradients but not dh0 (the reverse chain reads no checkpoint);
+    bf16 operands move every gradient, by bf16's relative rounding, not more."""
+    qn, kn, v, b, a, S0, do, dht = _inputs(B=1, T=64, H=2, K=16, V=16)
+    ref = _autograd(qn, kn, v, b, a, S0, do, dht, 0.25)
+
+    def bf16(x):
+        return x.to(torch.bfloat16).to(x.dtype)
+
+    def err(got, n):
+        return float((got[n] - ref[n]).norm() / ref[n].norm())
+    ck = bm.chunked_backward(qn, kn, v, b, a, do, dht, scale=0.25, initial_state=S0, every=2, checkpoints=bf16)
+    assert err(ck, "dh0") < TOL and 1e-5 < err(ck, "dkn") < 1e-2
+    op = bm.chunked_backward(qn, kn, v, b, a, do, dht, scale=0.25, initial_state=S0, every=2, operands=bf16)
+    assert all(1e-5 < err(op, n) < 1e-2 for n in ("dqn", "dkn", "dv", "db", "da", "dh0"))
