@@ -312,26 +312,33 @@ def profile(stage_id, *, compare_previous: bool = True, backward: bool = True):
 MOVED = 0.05  # profile_moves names a region that moved by more than this fraction either way
 
 
-def split_chunk_profile(prof: dict, T: int, chunk: int = 16) -> dict:
-    """A split path's region profile (clock64 cycles per block, mean over blocks) per chunk: K1 runs one
-    block per chunk, so its regions are as they are; a K2 block (its compute warps and its load warp)
-    walks the NT = ceil(T / chunk) chunks of its sequence in turn, so its regions are divided by NT.
-    ValueError for a region of neither kernel."""
+def chunks_per_block(region: str, T: int, chunk: int = 16) -> int | None:
+    """What a split path's region (or a kernel's bar, "K1", "K2 load warp") is divided by to give cycles per
+    chunk: 1 for K1, which runs one block per chunk; NT = ceil(T / chunk) for K2, whose block (its compute warps
+    and its load warp) walks the NT chunks of its sequence in turn; None for a region of neither kernel."""
+    kernel = region.split(":", 1)[0].split()[0] if region else ""
+    if kernel not in ("K1", "K2"):
+        return None
     if T < 1:
         raise ValueError(f"T must be positive, got {T}")
-    nt = -(-T // chunk)
+    return 1 if kernel == "K1" else -(-T // chunk)
+
+
+def split_chunk_profile(prof: dict, T: int, chunk: int = 16) -> dict:
+    """A split path's region profile (clock64 cycles per block, mean over blocks) per chunk
+    (:func:`chunks_per_block`). ValueError for a region of neither kernel."""
     out = {}
     for region, v in prof.items():
-        kernel = region.split(":", 1)[0].split()[0]
-        if kernel not in ("K1", "K2"):
+        per = chunks_per_block(region, T, chunk)
+        if per is None:
             raise ValueError(f"{region!r} is a region of neither K1 nor K2: not a split path's profile")
-        out[region] = v if kernel == "K1" else v / nt
+        out[region] = v / per
     return out
 
 
 def _split_path_profile(prof: dict) -> bool:
     """Are these the regions of a split path (K1 + K2), the only ones :func:`split_chunk_profile` takes?"""
-    return bool(prof) and all(r.split(":", 1)[0].split()[0] in ("K1", "K2") for r in prof)
+    return bool(prof) and all(chunks_per_block(r, 1) is not None for r in prof)
 
 
 def profile_moves(stage_id) -> pd.DataFrame:
@@ -354,7 +361,7 @@ def profile_moves(stage_id) -> pd.DataFrame:
         rows = [r for r in regions if r.startswith(kernel + ":")]
         table.loc[f"{kernel} total" if kernel == "K1" else "K2 compute warps: total"] = table.loc[rows].sum()
     where = (f"cycles per chunk at {bench.shape_label(shape)} (K1: per block, one chunk each; K2: per block / "
-             f"{-(-shape['T'] // 16)} chunks)")
+             f"{chunks_per_block('K2', shape['T'])} chunks)")
     if len(names) == 1:
         print(f"{where}; stage {prev[:2]}'s kernels are not a split path's: stage {this[:2]} alone")
         return table.style.format("{:,.0f}", na_rep="-")
@@ -1849,7 +1856,7 @@ def summit_table(stage_id=None):
 
 def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
     """Where a gate without a bound costs, region by region (RECORDS["gate_profile"], scripts/profile_gates.py):
-    clock64 cycles per chunk (:func:`split_chunk_profile`) of stage 11 and the last stage on the bounded gate and of the last stage with the
+    clock64 cycles per chunk (:func:`chunks_per_block`) of stage 11 and the last stage on the bounded gate and of the last stage with the
     softplus gate, at one shape; ``softplus / bounded`` the last stage's two gates. Prints the regions that
     moved by more than 5% either way."""
     sid = normalize(stage_id or last_stage())
@@ -1858,16 +1865,16 @@ def gate_profile(stage_id=None, shape="B1 T4096 H16 K128 V128"):
     if not rows:
         raise ValueError(f"the gate profile record has no rows at {shape}: "
                          f"{sorted({bench.shape_label(r) for r in data['rows']})}")
-    T = {r["T"] for r in rows}.pop()  # one shape
+    T = rows[0]["T"]  # one shape
     table = pd.DataFrame([{"region": r["region"], "who": f"{r['stage'][:2]} {r['gate']}",
-                           "cycles": split_chunk_profile({r["region"]: r["value"]}, T)[r["region"]]}
+                           "cycles": r["value"] / chunks_per_block(r["region"], T)}
                           for r in rows]).pivot(index="region", columns="who", values="cycles")
     table = table.loc[list(dict.fromkeys(r["region"] for r in rows))]
     last = sid[:2]
     table["softplus / bounded"] = table[f"{last} softplus"] / table[f"{last} bounded"]
     moved = table["softplus / bounded"]
     print(f"{shape}: the softplus gate against the bounded gate's instantiation, cycles per chunk (K1 a block per "
-          f"chunk, K2 its block over {-(-T // 16)} chunks); moved by more than 5%: "
+          f"chunk, K2 its block over {chunks_per_block('K2', T)} chunks); moved by more than 5%: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in moved.items() if abs(v - 1) > 0.05))
     return table.style.format({c: "{:,.0f}" for c in table.columns if c != "softplus / bounded"}
                               | {"softplus / bounded": "{:.2f}"})

@@ -377,13 +377,10 @@ def _file_atoms(rel: str, data) -> list[Atom]:
 
 
 def _per_chunk(region: str, T) -> int | None:
-    """What a split path's region (or bar) is divided by to give cycles per chunk (common.notebook.
-    split_chunk_profile): 1 for K1 (a block per chunk), NT for K2 (a block walks its NT chunks); None for
-    any other region or without T."""
-    kernel = region.split(":", 1)[0].split()[0] if region else ""
-    if kernel not in ("K1", "K2") or not isinstance(T, int) or T < 1:
-        return None
-    return 1 if kernel == "K1" else -(-T // 16)
+    """common.notebook.chunks_per_block for a recorded row: None also where the row names no T."""
+    from .notebook import chunks_per_block
+
+    return chunks_per_block(region, T) if isinstance(T, int) and T >= 1 else None
 
 
 @lru_cache(maxsize=1)

@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import backward_model as bm  # noqa: E402
-from common.reference import kda_recurrence  # noqa: E402
+from common.reference import activate, kda_recurrence  # noqa: E402
 from common.results import metadata, save  # noqa: E402
 
 F64 = torch.float64
@@ -37,14 +36,14 @@ def bf16(x):
 
 
 def inputs(B, T, H, K, V, gate, seed=0):
-    """Activated inputs as a kernel sees them: q, k, v, beta and the log decay from bf16 raw inputs."""
+    """Activated inputs as a kernel sees them (common.reference.activate on bf16 raw inputs, A_log = 0,
+    dt_bias = 0, the bounded gate at -5), an h0, do and the final state's gradient."""
     g = torch.Generator().manual_seed(seed)
-    q, k = (bf16(torch.randn(B, T, H, K, dtype=F64, generator=g)) for _ in range(2))
-    qn, kn = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q, k, x = (bf16(torch.randn(B, T, H, K, dtype=F64, generator=g)) for _ in range(3))
     v = bf16(torch.randn(B, T, H, V, dtype=F64, generator=g))
-    b = torch.sigmoid(bf16(torch.randn(B, T, H, dtype=F64, generator=g)))
-    x = bf16(torch.randn(B, T, H, K, dtype=F64, generator=g))
-    a = -5.0 * torch.sigmoid(x) if gate == "bounded" else -F.softplus(x)
+    beta = bf16(torch.randn(B, T, H, dtype=F64, generator=g))
+    qn, kn, b, a = activate(q, k, x, beta, torch.zeros(H, dtype=F64), torch.zeros(H, K, dtype=F64), gate=gate,
+                            lower_bound=-5.0 if gate == "bounded" else None)
     h0 = torch.randn(B, H, K, V, dtype=F64, generator=g) * 0.1
     do = bf16(torch.randn(B, T, H, V, dtype=F64, generator=g))
     dht = torch.randn(B, H, K, V, dtype=F64, generator=g) * 0.1
