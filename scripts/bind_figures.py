@@ -140,6 +140,48 @@ def local(at: str, text: str, before: int = 16, after: int = 10) -> str:
     return at if i < 0 else at[max(0, i - before):i + len(text) + after]
 
 
+def by_hand(e) -> bool:
+    """An entry a person bound (its "why" gives a reason), not one the binder proposed ("score ...")."""
+    return bool(e.get("why")) and not e["why"].startswith("score")
+
+
+class Leftovers:
+    """The entries of the old index that no figure's key finds any more (their line was edited), and the rules
+    that give one of them to a figure of the edited line. Each leftover goes to one figure at most."""
+
+    def __init__(self, entries: dict):
+        self.moved = {}  # (masked-line hash, index in line) -> the entry
+        self.by_context = {}  # (document, figure, the text right around it) -> the entries
+        self.hand = {}  # (document, figure) -> the entries bound by hand
+        for k, e in entries.items():
+            doc, h, _, i = k.split("|")
+            self.moved.setdefault((h, int(i)), e)
+            self.by_context.setdefault((doc, e["figure"], local(e["at"], e["figure"].split()[0])), []).append(e)
+            if by_hand(e):
+                self.hand.setdefault((doc, e["figure"]), []).append(e)
+        self.used = set()
+
+    def _one(self, cands):
+        cands = [e for e in cands if id(e) not in self.used]
+        return cands[0] if len(cands) == 1 else None
+
+    def find(self, f, entry):
+        """The leftover entry of figure ``f`` (``entry``: its new key, snippet and figure), or None.
+
+        In order: text moved to another line or document (the same masked line); its line changed elsewhere (the
+        one entry with the same figure and words around it); the words around it changed too, but the document
+        keeps one unused entry bound by hand for that figure (a person's binding is not re-proposed from scratch,
+        which can pick a wrong record among those that round to the figure)."""
+        e = self.moved.get((f.key[1], f.key[3]))
+        if e is None or id(e) in self.used:
+            e = self._one(self.by_context.get((f.doc, entry["figure"], local(entry["at"], f.text)), []))
+        if e is None:
+            e = self._one(self.hand.get((f.doc, entry["figure"]), []))
+        if e is not None:
+            self.used.add(id(e))
+        return e
+
+
 def snippet(fig) -> str:
     return fig.line[max(0, fig.start - 40):fig.end + 12].strip()
 
@@ -161,13 +203,7 @@ def main(argv=None) -> int:
     table = prose.atoms()
     binder = prose.Binder(table)
     keys = {prose.key_str(f.key) for f in figs}
-    moved = {}  # (masked-line hash, index in line) -> an entry no figure uses any more
-    by_context = {}  # (document, figure, the text right around it) -> the entries no figure uses any more
-    for k, e in old.items():
-        if k not in keys and "not_measured" not in e:
-            _, h, _, i = k.split("|")
-            moved.setdefault((h, int(i)), e)
-            by_context.setdefault((k.split("|")[0], e["figure"], local(e["at"], e["figure"].split()[0])), []).append(e)
+    left = Leftovers({k: e for k, e in old.items() if k not in keys and "not_measured" not in e})
     out, kept, proposed, missing = [], 0, 0, []
     bound = {}  # figure key -> its entry, values first, so that a ratio can use the figures beside it
     order = sorted(range(len(figs)), key=lambda i: figs[i].kind in ("ratio", "percent"))
@@ -180,12 +216,7 @@ def main(argv=None) -> int:
         if why_not is not None:
             results[i] = {**entry, "not_measured": why_not}
             continue
-        e = old.get(k)
-        if e is None:  # text moved to another document or line: the entry of the same masked line, if one is left
-            e = moved.get((f.key[1], f.key[3]))
-        if e is None:  # its line changed elsewhere: the one entry left with the same figure and words around it
-            same = by_context.get((f.doc, entry["figure"], local(entry["at"], f.text)), [])
-            e = same[0] if len(same) == 1 else None
+        e = old.get(k) or left.find(f, entry)
         if e is not None and "not_measured" not in e:
             if prose.figure_problem(f, e, table) is None:
                 results[i] = {**entry, **{x: e[x] for x in ("of", "ratio", "pct", "op", "at_most", "at_least", "min", "max", "fact",
