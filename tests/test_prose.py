@@ -17,6 +17,7 @@ import re
 import pytest
 
 from common import prose
+from common.build import import_module_from
 from common.paths import REPO_ROOT
 from common.stages import STAGE_DIRS
 
@@ -313,19 +314,11 @@ def test_bounds_ranges_and_facts():
         prose.value_of({"fact": "12:NO_SUCH_FACT"}, "x", table)
 
 
-def _bind_figures():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bind_figures", REPO_ROOT / "scripts" / "bind_figures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_binding_by_hand_survives_new_words_around_its_figure():
     """scripts/bind_figures.py keeps a person's binding when the words right around its figure are rewritten: the
     one unused entry bound by hand for that figure in that document is kept, not proposed afresh (a proposal can
     pick another record that rounds to the figure). Tried on every such entry of a markdown document."""
-    bf = _bind_figures()
+    bf = import_module_from(REPO_ROOT / "scripts" / "bind_figures.py", "bind_figures")
     by_fig = {prose.key_str(f.key): f for f in FIGS}
     hand = [e for e in INDEX.values() if bf.by_hand(e) and e["key"] in by_fig]
     per = {}

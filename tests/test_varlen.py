@@ -664,14 +664,10 @@ def test_flashkda_varlen_helper_on_flashkdas_shape():
 # --- scripts/bench_varlen.py: what it times, decided before any GPU ---------------------------------------------------
 
 def _bench_script():
-    import importlib.util
-
+    from common.build import import_module_from
     from common.paths import REPO_ROOT
 
-    spec = importlib.util.spec_from_file_location("bench_varlen", REPO_ROOT / "scripts" / "bench_varlen.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return import_module_from(REPO_ROOT / "scripts" / "bench_varlen.py", "bench_varlen")
 
 
 def test_bench_varlen_mixes():
