@@ -36,6 +36,10 @@ from .report import README_FIGURES
 from .stages import (STAGE_DIRS, declared_records, fused_stage, last_stage, lesson_source, load_stage, neighbour_diff,
                      normalize, previous, record_names, tensor_core_stages, varlen_record)
 
+# A table's words are part of the lesson: pandas cuts a cell at 50 characters by default ("a load warp fills the
+# slot ring (warp speciali..."), so the ablation tables' ideas showed cut off. Every cell is shown whole.
+pd.set_option("display.max_colwidth", None)
+
 FIGURES: set = set()  # names of the functions below that draw a figure
 
 

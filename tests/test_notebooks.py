@@ -171,3 +171,22 @@ def test_a_stage_may_declare_its_chapter_checks_record(monkeypatch):
     vs11 = t[t["prev"] == "11_varlen"]
     assert len(vs11) == 2 and (vs11["err_prev"] == 0).all()
     assert (t[t["prev"] == "04_warp"]["err_prev"] > 0).all()
+
+
+def test_no_table_cell_is_cut_short():
+    """A stored table shows every cell whole: pandas cuts a cell at 50 characters by default (an ablation table's
+    idea read "a load warp fills the slot ring (warp speciali..."); common.notebook turns that off."""
+    import re
+
+    import pandas as pd
+
+    import common.notebook  # noqa: F401  (sets the display option on import)
+
+    assert pd.get_option("display.max_colwidth") is None
+    cut = []
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            for out in cell.get("outputs", []):
+                html = "".join(out.get("data", {}).get("text/html", ""))
+                cut += [f"{path.name} cell {i}: {m}" for m in re.findall(r"<td>[^<]{40,}\.\.\.</td>", html)]
+    assert not cut, "table cells cut short (re-run the cell with common.notebook imported):\n" + "\n".join(cut)
