@@ -331,16 +331,16 @@ def test_a_binding_by_hand_survives_new_words_around_its_figure():
         e, f = es[0], by_fig[es[0]["key"]]
         text = dict(DOCS)[doc]
         lines = text.splitlines()
-        line = lines[f.lineno - 1] if f.lineno - 1 < len(lines) and f.text in lines[f.lineno - 1] else None
-        if line is None or line.count(f.text) != 1:
+        if f.lineno > len(lines) or lines[f.lineno - 1].count(f.text) != 1:
             continue
         # every word of the line but the figure rewritten
         lines[f.lineno - 1] = "Reworded so that nothing around it is the same: " + f.text + f" {f.unit} , said anew."
-        new = [g for g in prose.figures(doc, "\n".join(lines)) if g.lineno == f.lineno and g.text == f.text]
+        figs = prose.figures(doc, "\n".join(lines))
+        new = [g for g in figs if g.lineno == f.lineno and g.text == f.text]
         if len(new) != 1:
             continue
         g = new[0]
-        keys = {prose.key_str(x.key) for x in prose.figures(doc, "\n".join(lines))}
+        keys = {prose.key_str(x.key) for x in figs}
         left = bf.Leftovers({k: v for k, v in INDEX.items() if k.startswith(doc + "|") and k not in keys
                              and "not_measured" not in v})
         entry = {"key": prose.key_str(g.key), "at": bf.snippet(g), "figure": f"{g.text} {g.unit}".strip()}
