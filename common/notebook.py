@@ -1916,3 +1916,75 @@ def op_plot():
     return plot_bars(bars, x="what", y="ms", by="impl", logy=True, value_rotation=0, value_fontsize=8,
                      ylabel="GPU time, ms", title="FLA's KDA layer and chunk_kda at T=4096, GPU time (recorded)")
 
+
+
+# --------------------------------------------------------------------------
+# stage 13: the backward
+# --------------------------------------------------------------------------
+
+@figure
+def backward_picture(chunks: int = 6):
+    """Stage 13's idea: the forward chain run again (B2, left to right, each chunk's entry state kept), the
+    reverse chain of the state's gradient (B3, right to left, each chunk's exit gradient kept), and each
+    chunk's adjoint (B4) fed by both, all chunks at once."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    w, gap = 1.0, 0.6
+    for n in range(chunks):
+        x = n * (w + gap)
+        ax.add_patch(Rectangle((x, 0.0), w, 0.8, facecolor=(0.85, 0.9, 1.0), edgecolor="k"))
+        ax.text(x + w / 2, 0.4, f"B4\nchunk {n}", ha="center", va="center", fontsize=8)
+        for y, lab in ((2.0, f"S{n}"), (-1.2, f"dS{n + 1}")):
+            ax.text(x + w / 2, y, lab, ha="center", va="center", fontsize=9)
+            ax.add_patch(FancyArrowPatch((x + w / 2, y - 0.25 if y > 0 else y + 0.25), (x + w / 2, 0.85 if y > 0 else -0.05),
+                                         arrowstyle="->", mutation_scale=10, color="0.4"))
+        if n < chunks - 1:
+            ax.add_patch(FancyArrowPatch((x + w / 2 + 0.25, 2.0), (x + w + gap + w / 2 - 0.25, 2.0), arrowstyle="->",
+                                         mutation_scale=12, color="tab:blue"))
+            ax.add_patch(FancyArrowPatch((x + w + gap + w / 2 - 0.3, -1.2), (x + w / 2 + 0.35, -1.2), arrowstyle="->",
+                                         mutation_scale=12, color="tab:red"))
+    right = chunks * (w + gap)
+    ax.text(right, 2.0, "B2: the forward chain again\n(entry states kept)", va="center", fontsize=9, color="tab:blue")
+    ax.text(right, -1.2, "B3: the state's gradient, back\n(exit gradients kept, dh0)", va="center", fontsize=9,
+            color="tab:red")
+    ax.text(right, 0.4, "B4: each chunk's gradients,\nall chunks at once", va="center", fontsize=9)
+    ax.set_xlim(-0.3, right + 3.2)
+    ax.set_ylim(-1.7, 2.5)
+    ax.axis("off")
+    ax.set_title("The backward: two chains over the chunks, then every chunk in parallel (B1 prepares their operands)")
+    return fig
+
+
+def backward_model_check(B: int = 2, T: int = 37, H: int = 2, K: int = 16, seed: int = 0) -> pd.DataFrame:
+    """On the CPU, in fp64: the backward's algorithm as the kernels split it (common.backward_model: the two
+    chains, each chunk's adjoint, then the pre-stage's adjoint) against autograd through the token loop, for both
+    gates, with h0 and a tail. One row per gradient; raises CheckFailed above 1e-9."""
+    from .backward_model import activation_backward, chunked_backward
+    from .inputs import make_cotangents, make_inputs
+    from .reference import activate, kda_reference
+
+    rows, problems = [], []
+    for gate, lb in (("softplus", None), ("bounded", -5.0)):
+        kw = make_inputs(B, T, H, K, K, seed=seed, dtype=torch.float64, gate=gate, lower_bound=lb, h0=True,
+                         chunk_size=16)
+        do, dht = (x.double() for x in make_cotangents((B, T, H, K), (B, H, K, K), seed=seed))
+        leaves = {n: kw[n].detach().double().requires_grad_() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                                                  "initial_state")}
+        o, S = kda_reference(**leaves, gate=gate, lower_bound=lb, scale=K ** -0.5)
+        torch.autograd.backward((o, S), (do, dht))
+        x = {n: t.detach() for n, t in leaves.items()}
+        qn, kn, b, a = activate(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], gate=gate, lower_bound=lb)
+        m = chunked_backward(qn, kn, x["v"], b, a, do, dht, scale=K ** -0.5, initial_state=x["initial_state"])
+        raw = activation_backward(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], m["dqn"], m["dkn"],
+                                  m["db"], m["da"], gate=gate, lower_bound=lb)
+        got = dict(q=raw["dq"], k=raw["dk"], v=m["dv"], g=raw["dg"], beta=raw["dbeta"], A_log=raw["dA_log"],
+                   dt_bias=raw["ddt_bias"], initial_state=m["dh0"])
+        for n, t in got.items():
+            err = float((t - leaves[n].grad).norm() / leaves[n].grad.norm())
+            rows.append(dict(gate=gate, gradient="d" + n, rel_err=err))
+            if not err <= 1e-9:
+                problems.append(f"{gate} d{n}: {err:.1e}")
+    fail_if(problems, "the chunked backward's algorithm against autograd")
+    return pd.DataFrame(rows).pivot(index="gradient", columns="gate", values="rel_err")

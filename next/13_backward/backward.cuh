@@ -1,0 +1,547 @@
+// backward.cuh -- the chunked backward of stage 13 (kda.h, KdaBwdParams), in four kernels.
+//
+// The forward's chunk algebra (DESIGN.md section 3) walked back, as common/backward_model.py
+// takes it in fp64 (every equation below is one line of that file):
+//
+//   B1 prepare (parallel, one block per chunk): each chunk's chain operands again, in fp32:
+//        qd, kr, w [16, K], u [16, V], Aqk [16, 16], el = exp(glast) [K]
+//   B2 states (serial, one block per (sequence, head, 32 value columns)): the forward chain
+//        from h0 again, keeping each chunk's entry state S and vcorr = u - w S;
+//   B3 reverse (serial, the same blocks, from the last chunk to the first): the state's gradient
+//        dS (from dht) carried back, keeping each chunk's exit gradient and
+//        dvcorr = kr dS + Aqk^T do;      dS <- el * dS + qd^T do - w^T dvcorr;   dh0 = dS
+//   B4 adjoint (parallel, one block per chunk): from S, dS, vcorr, dvcorr and do, the chunk's
+//        gradients through o, the state update, the WY transform, the two 16 x 16 products and
+//        the decays, then through the pre-stage (l2norm, sigmoid, the gate) to the raw inputs.
+//
+// Every product here is fp32 on the CUDA cores and every decay is taken pair by pair
+// (exp(gc_c - gc_i) <= 1 for i <= c), so no gate overflows: this first backward is the
+// reference the tensor-core kernels are checked against. B2 and B3 need only B1's operands and
+// run one after the other on the caller's stream.
+#pragma once
+
+#ifndef KDA_DYNAMIC_SMEM  // common/include/kda_emu.h, which runs these kernels on the CPU, has its own
+#define KDA_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace kda_stage {
+namespace bwd {
+
+constexpr int kVTile = 32;  // value columns per chain block (one per lane)
+constexpr int kChainWarps = 4;  // a chain block's warps split the key dimension in four
+constexpr int kPrepThreads = 128;
+constexpr int kAdjThreads = 256;
+
+// The chunk as both B1 and B4 rebuild it, in shared memory: q, k normalised, gc the cumulative
+// log decay (natural log), the pair sums kk[c][i] = sum_d k_c k_i e^{gc_c - gc_i} and
+// qk[c][i] = the same with q_c (i <= c), X = (I + L)^-1 with L = strict_lower(beta_c kk).
+template <int D>
+struct ChunkSmem {
+  float q[BT][D], k[BT][D], v[BT][D], gc[BT][D];
+  float beta[BT], rq[BT], rk[BT];
+  float kk[BT][BT + 1], qk[BT][BT + 1], X[BT][BT + 1];
+};
+
+__device__ __forceinline__ float bf2f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// The log decay of one gate argument x = g + dt_bias (A = exp(A_log)).
+__device__ __forceinline__ float gate_of(const KdaBwdParams& p, float A, float x) {
+  if (p.gate_id == KDA_GATE_SOFTPLUS) {
+    const float sp = x > 20.f ? x : log1pf(expf(x));
+    return -A * sp;
+  }
+  return p.lower_bound / (1.f + expf(-A * x));
+}
+
+// Load and rebuild chunk n of pair bh (sequence bh / H, head bh % H) into s, with NTHR threads.
+// Tokens past the sequence's end are zero (k = q = v = 0, beta = 0, a = 0).
+template <int D, int NTHR>
+__device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = bh / p.H, h = bh % p.H;
+  const int t0 = n * BT, len = min(BT, p.T - t0);
+  const float A = expf(p.A_log[h]);
+  for (int idx = tid; idx < BT * D; idx += NTHR) {
+    const int c = idx / D, d = idx % D;
+    float q = 0.f, k = 0.f, v = 0.f, a = 0.f;
+    if (c < len) {
+      const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;
+      q = bf2f(p.q[row * D + d]);
+      k = bf2f(p.k[row * D + d]);
+      v = bf2f(p.v[row * D + d]);
+      a = gate_of(p, A, bf2f(p.g[row * D + d]) + p.dt_bias[h * D + d]);
+    }
+    s.q[c][d] = q;
+    s.k[c][d] = k;
+    s.v[c][d] = v;
+    s.gc[c][d] = a;
+  }
+  if (tid < BT) {
+    const int c = tid;
+    s.beta[c] = c < len ? 1.f / (1.f + expf(-bf2f(p.beta[((size_t)b * p.T + t0 + c) * p.H + h]))) : 0.f;
+  }
+  __syncthreads();
+  // the norms, one warp per row
+  for (int c = warp; c < BT; c += NTHR / 32) {
+    float sq = 0.f, sk = 0.f;
+    for (int d = lane; d < D; d += 32) {
+      sq += s.q[c][d] * s.q[c][d];
+      sk += s.k[c][d] * s.k[c][d];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    if (lane == 0) {
+      s.rq[c] = sqrtf(sq + kL2Eps);
+      s.rk[c] = sqrtf(sk + kL2Eps);
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < BT * D; idx += NTHR) {
+    const int c = idx / D, d = idx % D;
+    s.q[c][d] /= s.rq[c];
+    s.k[c][d] /= s.rk[c];
+  }
+  for (int d = tid; d < D; d += NTHR) {  // gc = cumsum(a) over the chunk
+    float acc = 0.f;
+    for (int c = 0; c < BT; ++c) {
+      acc += s.gc[c][d];
+      s.gc[c][d] = acc;
+    }
+  }
+  __syncthreads();
+  // the pair sums, one pair per thread (i <= c), every decay <= 1
+  for (int pr = tid; pr < BT * BT; pr += NTHR) {
+    const int c = pr / BT, i = pr % BT;
+    float kk = 0.f, qk = 0.f;
+    if (i <= c) {
+      for (int d = 0; d < D; ++d) {
+        const float dec = expf(s.gc[c][d] - s.gc[i][d]) * s.k[i][d];
+        kk += s.k[c][d] * dec;
+        qk += s.q[c][d] * dec;
+      }
+    }
+    s.kk[c][i] = kk;
+    s.qk[c][i] = qk;
+  }
+  __syncthreads();
+  // X = (I + L)^-1, one column per thread: X[r][j] = -sum_{j <= m < r} L[r][m] X[m][j]
+  if (tid < BT) {
+    const int j = tid;
+    for (int r = 0; r < BT; ++r) {
+      float x = r == j ? 1.f : 0.f;
+      if (r > j) {
+        for (int m = j; m < r; ++m) x -= s.beta[r] * s.kk[r][m] * s.X[m][j];
+      }
+      s.X[r][j] = x;
+    }
+  }
+  __syncthreads();
+}
+
+// Workspace offsets of chunk n of pair bh.
+__device__ __forceinline__ size_t chunk_slot(const KdaBwdParams& p, int bh, int n) {
+  return (size_t)bh * p.NT + n;
+}
+
+// ---------------------------------------------------------------------------
+// B1: the chain operands of every chunk
+// ---------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(kPrepThreads) kda_bwd_prepare_kernel(const KdaBwdParams p) {
+  KDA_DYNAMIC_SMEM(smem_raw);
+  ChunkSmem<D>& s = *reinterpret_cast<ChunkSmem<D>*>(smem_raw);
+  const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
+  load_chunk<D, kPrepThreads>(p, bh, n, s);
+  const size_t slot = chunk_slot(p, bh, n);
+  const int tid = threadIdx.x;
+  for (int d = tid; d < D; d += kPrepThreads) {
+    const float glast = s.gc[BT - 1][d];
+    float kd[BT];
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      const float ed = expf(s.gc[c][d]);
+      kd[c] = s.k[c][d] * ed;
+      p.qd[(slot * BT + c) * D + d] = p.scale * s.q[c][d] * ed;
+      p.kr[(slot * BT + c) * D + d] = s.k[c][d] * expf(glast - s.gc[c][d]);
+    }
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      float w = 0.f, u = 0.f;
+#pragma unroll
+      for (int i = 0; i <= c; ++i) {
+        const float af = s.X[c][i] * s.beta[i];
+        w += af * kd[i];
+        u += af * s.v[i][d];
+      }
+      p.w[(slot * BT + c) * D + d] = w;
+      p.u[(slot * BT + c) * D + d] = u;
+    }
+    p.el[slot * D + d] = expf(glast);
+  }
+  for (int pr = tid; pr < BT * BT; pr += kPrepThreads) {
+    const int c = pr / BT, i = pr % BT;
+    p.Aqk[slot * BT * BT + pr] = i <= c ? p.scale * s.qk[c][i] : 0.f;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// B2, B3: the two chains. Block (bh, tile): lane j holds value column tile * 32 + j, warp w the
+// key rows [w D / 4, (w + 1) D / 4) of it, in registers.
+// ---------------------------------------------------------------------------
+template <int D>
+struct ChainSmem {
+  float a[BT][D], b[BT][D], c[BT][D];  // the chunk's three [16, K] operands
+  float el[D];
+  float aqk[BT][BT];
+  float e[BT][kVTile];                  // u (B2) or do (B3), this block's columns
+  float part[kChainWarps][BT][kVTile];  // partial sums over each warp's key rows
+  float x[BT][kVTile];                  // vcorr (B2) or dvcorr (B3)
+};
+
+template <int D>
+__device__ __forceinline__ void load_rows(const float* src, float (&dst)[BT][D]) {
+  for (int idx = threadIdx.x; idx < BT * D; idx += kVTile * kChainWarps) dst[idx / D][idx % D] = src[idx];
+}
+
+// This thread's slice of a [K, V] state of pair bh (fp32, row-major), rows r0 .. r0 + D / 4 - 1, column col.
+template <int D>
+__device__ __forceinline__ size_t state_at(int bh, int row, int col) {
+  return ((size_t)bh * D + row) * D + col;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_states_kernel(const KdaBwdParams p) {
+  KDA_DYNAMIC_SMEM(smem_raw);
+  ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
+  constexpr int R = D / kChainWarps;
+  const int tiles = D / kVTile;
+  const int bh = blockIdx.x / tiles, col = (blockIdx.x % tiles) * kVTile + (threadIdx.x & 31);
+  const int warp = threadIdx.x >> 5, r0 = warp * R, tid = threadIdx.x;
+  float S[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) S[r] = p.h0 != nullptr ? p.h0[state_at<D>(bh, r0 + r, col)] : 0.f;
+  for (int n = 0; n < p.NT; ++n) {
+    const size_t slot = chunk_slot(p, bh, n);
+    load_rows<D>(p.w + slot * BT * D, s.a);
+    load_rows<D>(p.kr + slot * BT * D, s.b);
+    for (int i = tid; i < D; i += kVTile * kChainWarps) s.el[i] = p.el[slot * D + i];
+    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
+      const int c = idx / kVTile, j = idx % kVTile;
+      s.e[c][j] = p.u[(slot * BT + c) * D + (col - (threadIdx.x & 31)) + j];
+    }
+    __syncthreads();
+    float* st = p.states + slot * D * D;
+#pragma unroll
+    for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = S[r];
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc += s.a[c][r0 + r] * S[r];
+      s.part[warp][c][threadIdx.x & 31] = acc;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
+      const int c = idx / kVTile, j = idx % kVTile;
+      float ws = 0.f;
+#pragma unroll
+      for (int w = 0; w < kChainWarps; ++w) ws += s.part[w][c][j];
+      const float vc = s.e[c][j] - ws;
+      s.x[c][j] = vc;
+      p.vcorr[(slot * BT + c) * D + (col - (threadIdx.x & 31)) + j] = vc;
+    }
+    __syncthreads();
+    const int j = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float acc = s.el[r0 + r] * S[r];
+#pragma unroll
+      for (int c = 0; c < BT; ++c) acc += s.b[c][r0 + r] * s.x[c][j];
+      S[r] = acc;
+    }
+    __syncthreads();
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_reverse_kernel(const KdaBwdParams p) {
+  KDA_DYNAMIC_SMEM(smem_raw);
+  ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
+  constexpr int R = D / kChainWarps;
+  const int tiles = D / kVTile;
+  const int bh = blockIdx.x / tiles, col0 = (blockIdx.x % tiles) * kVTile, j = threadIdx.x & 31, col = col0 + j;
+  const int warp = threadIdx.x >> 5, r0 = warp * R, tid = threadIdx.x;
+  const int b = bh / p.H, h = bh % p.H;
+  float dS[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) dS[r] = p.dht != nullptr ? p.dht[state_at<D>(bh, r0 + r, col)] : 0.f;
+  for (int n = p.NT - 1; n >= 0; --n) {
+    const size_t slot = chunk_slot(p, bh, n);
+    const int t0 = n * BT, len = min(BT, p.T - t0);
+    load_rows<D>(p.kr + slot * BT * D, s.a);
+    load_rows<D>(p.qd + slot * BT * D, s.b);
+    load_rows<D>(p.w + slot * BT * D, s.c);
+    for (int i = tid; i < D; i += kVTile * kChainWarps) s.el[i] = p.el[slot * D + i];
+    for (int i = tid; i < BT * BT; i += kVTile * kChainWarps) s.aqk[i / BT][i % BT] = p.Aqk[slot * BT * BT + i];
+    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
+      const int c = idx / kVTile, jj = idx % kVTile;
+      s.e[c][jj] = c < len ? p.dout[(((size_t)b * p.T + t0 + c) * p.H + h) * D + col0 + jj] : 0.f;
+    }
+    __syncthreads();
+    float* st = p.dstates + slot * D * D;
+#pragma unroll
+    for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = dS[r];
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      float acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc += s.a[c][r0 + r] * dS[r];
+      s.part[warp][c][j] = acc;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
+      const int c = idx / kVTile, jj = idx % kVTile;
+      float acc = 0.f;
+#pragma unroll
+      for (int w = 0; w < kChainWarps; ++w) acc += s.part[w][c][jj];
+      for (int i = c; i < BT; ++i) acc += s.aqk[i][c] * s.e[i][jj];  // (Aqk^T do)[c]
+      s.x[c][jj] = acc;
+      p.dvcorr[(slot * BT + c) * D + col0 + jj] = acc;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float acc = s.el[r0 + r] * dS[r];
+#pragma unroll
+      for (int c = 0; c < BT; ++c) acc += s.b[c][r0 + r] * s.e[c][j] - s.c[c][r0 + r] * s.x[c][j];
+      dS[r] = acc;
+    }
+    __syncthreads();
+  }
+  if (p.dh0 != nullptr) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) p.dh0[state_at<D>(bh, r0 + r, col)] = dS[r];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// B4: the chunk adjoint
+// ---------------------------------------------------------------------------
+template <int D>
+struct AdjSmem {
+  ChunkSmem<D> ch;
+  float dout[BT][D], vc[BT][D], dvc[BT][D];  // do, vcorr, dvcorr (V = D columns)
+  float dqd[BT][D], dkr[BT][D], dw[BT][D];   // the gradients of the chain operands
+  float dq[BT][D], dk[BT][D];                // of the normalised q, k
+  float dal[BT][D];                          // da * da/dA_log, summed over d per token
+  float dgl[D];                              // the gradient of glast through the state's decay
+  float tS[D][kVTile + 1], tdS[D][kVTile + 1];  // a 32-column tile of S and of dS
+  float dAqk[BT][BT + 1], dAf[BT][BT + 1], T1[BT][BT + 1], dL[BT][BT + 1];
+  float db[BT];
+};
+
+template <int D>
+__global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
+  KDA_DYNAMIC_SMEM(smem_raw);
+  AdjSmem<D>& s = *reinterpret_cast<AdjSmem<D>*>(smem_raw);
+  const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
+  const int b = bh / p.H, h = bh % p.H, t0 = n * BT, len = min(BT, p.T - t0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  load_chunk<D, kAdjThreads>(p, bh, n, s.ch);
+  ChunkSmem<D>& ch = s.ch;
+  const size_t slot = chunk_slot(p, bh, n);
+  for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
+    const int c = idx / D, d = idx % D;
+    s.dout[c][d] = c < len ? p.dout[(((size_t)b * p.T + t0 + c) * p.H + h) * D + d] : 0.f;
+    s.vc[c][d] = p.vcorr[slot * BT * D + idx];
+    s.dvc[c][d] = p.dvcorr[slot * BT * D + idx];
+  }
+  // dqd = do S^T, dw = -dvcorr S^T, dkr = vcorr dS^T, dgl = rowsum(S * dS): thread (grp, d) takes
+  // the rows c = grp, grp + G, ... of its key row d, over 32-column tiles of S and dS
+  constexpr int G = kAdjThreads / D;
+  const int d = tid % D, grp = tid / D;
+  float aq[BT / G], aw[BT / G], ar[BT / G], agl = 0.f;
+#pragma unroll
+  for (int m = 0; m < BT / G; ++m) aq[m] = aw[m] = ar[m] = 0.f;
+  const float* S = p.states + slot * D * D;
+  const float* dS = p.dstates + slot * D * D;
+  for (int j0 = 0; j0 < D; j0 += kVTile) {
+    __syncthreads();
+    for (int idx = tid; idx < D * kVTile; idx += kAdjThreads) {
+      const int r = idx / kVTile, jj = idx % kVTile;
+      s.tS[r][jj] = S[(size_t)r * D + j0 + jj];
+      s.tdS[r][jj] = dS[(size_t)r * D + j0 + jj];
+    }
+    __syncthreads();
+    for (int jj = 0; jj < kVTile; ++jj) {
+      const float sv = s.tS[d][jj], dsv = s.tdS[d][jj];
+      agl += sv * dsv;
+#pragma unroll
+      for (int m = 0; m < BT / G; ++m) {
+        const int c = grp + m * G;
+        aq[m] += s.dout[c][j0 + jj] * sv;
+        aw[m] -= s.dvc[c][j0 + jj] * sv;
+        ar[m] += s.vc[c][j0 + jj] * dsv;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < BT / G; ++m) {
+    const int c = grp + m * G;
+    s.dqd[c][d] = aq[m];
+    s.dw[c][d] = aw[m];
+    s.dkr[c][d] = ar[m];
+  }
+  if (grp == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * agl;
+  __syncthreads();
+  // dAqk = lower_incl(do vcorr^T); dAf = dw kd^T + du v^T (du = dvcorr), on i <= c
+  for (int pr = tid; pr < BT * BT; pr += kAdjThreads) {
+    const int c = pr / BT, i = pr % BT;
+    float qa = 0.f, fa = 0.f;
+    if (i <= c) {
+      for (int e = 0; e < D; ++e) {
+        qa += s.dout[c][e] * s.vc[i][e];
+        fa += s.dw[c][e] * ch.k[i][e] * expf(ch.gc[i][e]) + s.dvc[c][e] * ch.v[i][e];
+      }
+    }
+    s.dAqk[c][i] = qa;
+    s.dAf[c][i] = fa;
+  }
+  __syncthreads();
+  // dbeta through Af = X diag(beta); T1 = X^T dX with dX = dAf diag(beta)
+  if (tid < BT) {
+    const int i = tid;
+    float acc = 0.f;
+    for (int c = i; c < BT; ++c) acc += s.dAf[c][i] * ch.X[c][i];
+    s.db[i] = acc;
+  }
+  for (int pr = tid; pr < BT * BT; pr += kAdjThreads) {
+    const int a = pr / BT, nn = pr % BT;
+    float acc = 0.f;
+    for (int m = 0; m < BT; ++m) acc += ch.X[m][a] * s.dAf[m][nn] * ch.beta[nn];
+    s.T1[a][nn] = acc;
+  }
+  __syncthreads();
+  // dL = -(X^T dX X^T) on the strictly lower entries
+  for (int pr = tid; pr < BT * BT; pr += kAdjThreads) {
+    const int a = pr / BT, c = pr % BT;
+    float acc = 0.f;
+    if (c < a) {
+      for (int m = 0; m < BT; ++m) acc += s.T1[a][m] * ch.X[c][m];
+    }
+    s.dL[a][c] = -acc;
+  }
+  __syncthreads();
+  if (tid < BT) {  // dbeta through L = strict_lower(beta_c kk)
+    const int c = tid;
+    float acc = 0.f;
+    for (int i = 0; i < c; ++i) acc += s.dL[c][i] * ch.kk[c][i];
+    s.db[c] += acc;
+  }
+  // the pair terms, the decays and da: one key dimension per thread
+  if (tid < D) {
+    const int e = tid;
+    float dq[BT], dk[BT], dgc[BT];
+#pragma unroll
+    for (int c = 0; c < BT; ++c) dq[c] = dk[c] = dgc[c] = 0.f;
+#pragma unroll
+    for (int c = 0; c < BT; ++c) {
+      const float qc = ch.q[c][e], kc = ch.k[c][e], gcc = ch.gc[c][e];
+#pragma unroll
+      for (int i = 0; i <= c; ++i) {
+        const float dec = expf(gcc - ch.gc[i][e]), ki = ch.k[i][e];
+        const float tk = s.dL[c][i] * ch.beta[c] * dec;  // dkk = dL beta_c
+        const float tq = s.dAqk[c][i] * p.scale * dec;
+        dk[c] += tk * ki;
+        dk[i] += tk * kc + tq * qc;
+        dq[c] += tq * ki;
+        const float pair = (tk * kc + tq * qc) * ki;
+        dgc[c] += pair;
+        dgc[i] -= pair;
+      }
+    }
+    const float glast = ch.gc[BT - 1][e];
+    float dglast = s.dgl[e];
+    // w = Af kd (dkd = Af^T dw), qd = scale q e^gc, kr = k e^{glast - gc}
+#pragma unroll
+    for (int i = 0; i < BT; ++i) {
+      float dkd = 0.f;
+      for (int c = i; c < BT; ++c) dkd += ch.X[c][i] * ch.beta[i] * s.dw[c][e];
+      const float ed = expf(ch.gc[i][e]), er = expf(glast - ch.gc[i][e]);
+      const float kr = ch.k[i][e] * er;
+      dk[i] += dkd * ed + s.dkr[i][e] * er;
+      dq[i] += s.dqd[i][e] * p.scale * ed;
+      dgc[i] += dkd * ch.k[i][e] * ed + s.dqd[i][e] * p.scale * ch.q[i][e] * ed - s.dkr[i][e] * kr;
+      dglast += s.dkr[i][e] * kr;
+    }
+    // gc = cumsum(a), glast = gc[last]: da[c] = sum_{c' >= c} dgc[c'] + dglast; then the gate
+    const float A = expf(p.A_log[h]);
+    float acc = dglast;
+#pragma unroll
+    for (int c = BT - 1; c >= 0; --c) {
+      acc += dgc[c];
+      float dgx = 0.f, dal = 0.f;
+      if (c < len) {
+        const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;
+        const float x = bf2f(p.g[row * D + e]) + p.dt_bias[h * D + e];
+        float dadx, dadlog;
+        if (p.gate_id == KDA_GATE_SOFTPLUS) {
+          const float sg = 1.f / (1.f + expf(-x));
+          dadx = -A * sg;
+          dadlog = -A * (x > 20.f ? x : log1pf(expf(x)));
+        } else {
+          const float sg = 1.f / (1.f + expf(-A * x));
+          dadx = p.lower_bound * sg * (1.f - sg) * A;
+          dadlog = dadx * x;
+        }
+        dgx = acc * dadx;
+        dal = acc * dadlog;
+        p.dg[row * D + e] = dgx;
+      }
+      s.dal[c][e] = dal;
+      s.dq[c][e] = dq[c];
+      s.dk[c][e] = dk[c];
+    }
+  }
+  __syncthreads();
+  // dv = Af^T du
+  for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
+    const int i = idx / D, e = idx % D;
+    if (i < len) {
+      float acc = 0.f;
+      for (int c = i; c < BT; ++c) acc += ch.X[c][i] * ch.beta[i] * s.dvc[c][e];
+      p.dv[(((size_t)b * p.T + t0 + i) * p.H + h) * D + e] = acc;
+    }
+  }
+  // per token: the l2norm's adjoint, dbeta through the sigmoid, dA_log's share; one warp per row
+  for (int c = warp; c < len; c += kAdjThreads / 32) {
+    float xq = 0.f, xk = 0.f, al = 0.f;
+    for (int e = lane; e < D; e += 32) {
+      xq += ch.q[c][e] * s.dq[c][e];
+      xk += ch.k[c][e] * s.dk[c][e];
+      al += s.dal[c][e];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      xq += __shfl_xor_sync(0xffffffffu, xq, o);
+      xk += __shfl_xor_sync(0xffffffffu, xk, o);
+      al += __shfl_xor_sync(0xffffffffu, al, o);
+    }
+    const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;
+    for (int e = lane; e < D; e += 32) {
+      p.dq[row * D + e] = (s.dq[c][e] - ch.q[c][e] * xq) / ch.rq[c];
+      p.dk[row * D + e] = (s.dk[c][e] - ch.k[c][e] * xk) / ch.rk[c];
+    }
+    if (lane == 0) {
+      const float sb = ch.beta[c];
+      p.dbeta[row] = s.db[c] * sb * (1.f - sb);
+      p.dAlog_part[row] = al;
+    }
+  }
+}
+
+}  // namespace bwd
+}  // namespace kda_stage

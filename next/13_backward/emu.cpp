@@ -1,0 +1,107 @@
+// emu.cpp -- the backward's kernels (backward.cuh) run on the CPU by common/include/kda_emu.h, so that
+// a machine without a GPU checks their indexing and synchronisation against common/backward_model.py
+// (tests/test_backward_emu.py). The same source as the GPU build, launched in the same order with the
+// same grids, threads and shared memory as kda.cu's bwd::launch_all.
+//
+// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?) -> [dq, dk, dv,
+// dg, dbeta, dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk, el, states, dstates, vcorr, dvcorr], CPU
+// tensors, inputs as the GPU binding takes them (bf16 q, k, v, g, beta; fp32 the rest).
+#include "kda_emu.h"
+
+#include <torch/extension.h>
+
+#include "kda.h"
+
+namespace kda_stage {
+using std::min;
+constexpr int BT = 16;          // common.cuh's
+constexpr float kL2Eps = 1e-6f;  // common.cuh's
+}  // namespace kda_stage
+
+#include "backward.cuh"
+
+namespace {
+
+using namespace kda_stage::bwd;
+
+template <int D>
+void launch_all(const KdaBwdParams& p) {
+  const unsigned chunks = p.B * p.H * p.NT, chains = p.B * p.H * (D / kVTile);
+  kda_emu::launch(chunks, kPrepThreads, sizeof(ChunkSmem<D>), [&] { kda_bwd_prepare_kernel<D>(p); });
+  kda_emu::launch(chains, kVTile * kChainWarps, sizeof(ChainSmem<D>), [&] { kda_bwd_states_kernel<D>(p); });
+  kda_emu::launch(chains, kVTile * kChainWarps, sizeof(ChainSmem<D>), [&] { kda_bwd_reverse_kernel<D>(p); });
+  kda_emu::launch(chunks, kAdjThreads, sizeof(AdjSmem<D>), [&] { kda_bwd_adjoint_kernel<D>(p); });
+}
+
+const __nv_bfloat16* bf(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.device().is_cpu(), "bf16 CPU input");
+  return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr<at::BFloat16>());
+}
+const float* f32(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), "fp32 CPU input");
+  return t.data_ptr<float>();
+}
+
+std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                   torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias,
+                                   c10::optional<torch::Tensor> h0, double scale, int64_t gate_id, double lower_bound,
+                                   torch::Tensor dout, c10::optional<torch::Tensor> dht) {
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), NT = (T + 15) / 16;
+  TORCH_CHECK(D == 64 || D == 128, "D must be 64 or 128");
+  const auto o = torch::TensorOptions().dtype(torch::kFloat32);
+  auto nan = [&](std::vector<int64_t> shape) { return torch::full(shape, NAN, o); };  // poisoned: all written?
+  const int64_t S = B * H * NT;
+  torch::Tensor dq = nan({B, T, H, D}), dk = nan({B, T, H, D}), dv = nan({B, T, H, D}), dg = nan({B, T, H, D});
+  torch::Tensor dbeta = nan({B, T, H}), dal = nan({B, T, H});
+  torch::Tensor dh0 = h0.has_value() ? nan({B, H, D, D}) : torch::Tensor();
+  torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D}), u = nan({S, 16, D});
+  torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D}), st = nan({S, D, D}), dst = nan({S, D, D});
+  torch::Tensor vc = nan({S, 16, D}), dvc = nan({S, 16, D});
+  KdaBwdParams p{};
+  p.B = (int)B;
+  p.T = (int)T;
+  p.H = (int)H;
+  p.D = (int)D;
+  p.NT = (int)NT;
+  p.q = bf(q);
+  p.k = bf(k);
+  p.v = bf(v);
+  p.g = bf(g);
+  p.beta = bf(beta);
+  p.A_log = f32(A_log);
+  p.dt_bias = f32(dt_bias);
+  p.h0 = h0.has_value() ? f32(*h0) : nullptr;
+  p.scale = (float)scale;
+  p.lower_bound = (float)lower_bound;
+  p.gate_id = (int)gate_id;
+  p.dout = f32(dout);
+  p.dht = dht.has_value() ? f32(*dht) : nullptr;
+  p.qd = qd.data_ptr<float>();
+  p.kr = kr.data_ptr<float>();
+  p.w = w.data_ptr<float>();
+  p.u = u.data_ptr<float>();
+  p.Aqk = Aqk.data_ptr<float>();
+  p.el = el.data_ptr<float>();
+  p.states = st.data_ptr<float>();
+  p.dstates = dst.data_ptr<float>();
+  p.vcorr = vc.data_ptr<float>();
+  p.dvcorr = dvc.data_ptr<float>();
+  p.dq = dq.data_ptr<float>();
+  p.dk = dk.data_ptr<float>();
+  p.dv = dv.data_ptr<float>();
+  p.dg = dg.data_ptr<float>();
+  p.dbeta = dbeta.data_ptr<float>();
+  p.dAlog_part = dal.data_ptr<float>();
+  p.dh0 = h0.has_value() ? dh0.data_ptr<float>() : nullptr;
+  if (D == 64)
+    launch_all<64>(p);
+  else
+    launch_all<128>(p);
+  return {dq, dk, dv, dg, dbeta, dal, dh0, qd, kr, w, u, Aqk, el, st, dst, vc, dvc};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bwd", &emu_bwd, "stage 13's backward kernels on the CPU (kda_emu.h)");
+}

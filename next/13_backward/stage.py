@@ -1,0 +1,343 @@
+"""Stage 13: the backward, stage 12's forward with the chunked backward written for the GPU.
+
+The forward is stage 12's, bit for bit. The backward (backward.cuh) walks the forward's chunk
+algebra back in four kernels: each chunk's chain operands again (parallel), the forward chain
+again keeping each chunk's entry state, the reverse chain of the state's gradient from the last
+chunk to the first (serial), and each chunk's gradients from those (parallel), through the
+pre-stage to the raw inputs. This first version is fp32 on the CUDA cores, every decay taken pair
+by pair (exp(gc_c - gc_i) <= 1), so no gate overflows; it is the reference the tensor-core
+backward is checked against. Plain sequences and the state [B, H, K, V] only: a training call
+with cu_seqlens or state_v_first is refused before any kernel runs.
+"""
+
+from pathlib import Path
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from common import extrun
+from common.build import load_extension
+from common.contract import StageSpec, ablation_build_args, prepare
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ["kda.cu", "binding.cpp"]
+
+# The relative error o and the final state may reach against the fp64 reference and the previous
+# stage: the bf16 bound, which the check cases come within 1.2x of (o 4.1e-3, S 3.0e-3 at worst;
+# results/h200/checks.json).
+TOLERANCE = dict(o=5e-3, S=5e-3, dq=5e-3, dk=5e-3, dv=5e-3, dg=6e-3, dbeta=7e-3, dA_log=5e-3,
+                 ddt_bias=5e-3, dinitial_state=5e-3)
+
+# A bounded gate runs stage 11's instantiation of the kernels (factored products, u rounded once), so it
+# gives stage 11's bits: 0 difference on every bounded check case (an H100, results/h100/stage12/checks_975a0a6.json,
+# a row per stage compared with; RECORDS["checks"], which the chapter's check cell judges) and at every summit
+# shape in every round (summit_db4ccfe.json; tests/test_gpu_stages.py test_bounded_gate_is_stage_11_bitwise).
+# With it declared, every check against stage 11 must come out 0 (common.checks.judge); the softplus cases are
+# compared with stage 04, the previous stage that takes that gate.
+SAME_BITS_AS_PREVIOUS = True
+
+SPEC = StageSpec(
+    name="13_backward",
+    title="the backward: the state's gradient carried back through the chunks, each chunk's gradients "
+          "from its entry state and exit gradient",
+    devices=("cuda",),
+    gates=("softplus", "bounded"),
+    chunk_sizes=(16,),
+    default_chunk=16,
+    head_dims=(64, 128),
+    equal_kv=True,
+    compute_dtype=torch.bfloat16,
+    backward=True,
+    varlen=True,
+    regions=(
+        # ids 0-16, in the order of the KdaRegion enum in kda.h
+        "K1: load+pre-stage", "K1: L/Aqk products", "K1: inverse", "K1: w/u + store",
+        "K2: wait for operands", "K2: w@S", "K2: qd@S", "K2: vcorr", "K2: Aqk@vcorr", "K2: o store",
+        "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
+        "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
+        "fused prepare: team barrier", "fused prepare: decay columns",
+    ),
+    region_unit="cycles",
+    tolerance=TOLERANCE,
+    extra={"cutlass": True, "min_sm": 80},
+)
+
+# No build switches: each variant of the stage's ideas (``pairwise``, ``u_halves``, ``deep_ring``) is an
+# instantiation of one build, picked per call, so that each runs either way on the same inputs;
+# stage 10's switches are stage 10's.
+ABLATIONS = ()
+
+
+# CuTe's bf16 type needs the half/bf16 operators that torch's extension flags
+# switch off; CuTe's constexpr helpers are called from device code.
+CUDA_FLAGS = [
+    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+]
+
+
+def build_emulator(verbose=False):
+    """The backward's kernels compiled for the CPU (emu.cpp through common/include/kda_emu.h: a std::thread per
+    CUDA thread), so that a machine without a GPU runs their source; a C++ compiler and the CUDA headers only."""
+    from common.build import setup_cuda_home
+
+    home = setup_cuda_home()
+    if home is None:
+        raise RuntimeError("the CUDA headers (cuda_bf16.h) were not found: set CUDA_HOME to the CUDA toolkit")
+    return load_extension(HERE, "emu_13_backward", ["emu.cpp"], cuda=False, verbose=verbose,
+                          extra_cflags=["-std=c++20", "-pthread", "-Wno-unknown-pragmas", f"-I{home}/include"])
+
+
+def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
+                     lower_bound=None, do, dht=None) -> dict:
+    """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
+    gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
+    el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call."""
+    from common.contract import check_gate
+
+    gate, gate_id, lb = check_gate(gate, lower_bound)
+    K = q.shape[-1]
+    bf, f32 = (lambda t: t.to(torch.bfloat16).contiguous()), (lambda t: t.float().contiguous())
+    out = build_emulator().bwd(bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias),
+                               None if initial_state is None else f32(initial_state),
+                               float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do),
+                               None if dht is None else f32(dht))
+    dq, dk, dv, dg, dbeta, dal, dh0 = out[:7]
+    grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=dg.sum((0, 1)),
+                 initial_state=dh0 if initial_state is not None else None)
+    names = ("qd", "kr", "w", "u", "Aqk", "el", "states", "dstates", "vcorr", "dvcorr")
+    return dict(grads, **dict(zip(names, out[7:])))
+
+
+def build(profile=False, verbose=False, ablation=None):
+    """Compile (or load the cached build of) this stage's extension; ``ablation``
+    names one of ABLATIONS to build with that idea turned off."""
+    return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
+                          extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, **ablation_build_args(ABLATIONS, ablation))
+
+
+def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+            output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
+            cu_seqlens=None, state_v_first=False):
+    """The stage contract (DESIGN.md section 5), plus packed sequences and the state's layout.
+    Returns (o, final_state).
+
+    cu_seqlens: None, or int32 / int64 [N + 1] token offsets on q's device (cu[0] = 0,
+    non-decreasing, cu[-1] = T; B must be 1): sequence i is tokens cu[i] .. cu[i + 1] - 1
+    of the [1, T, H, *] inputs, any length (0 included). initial_state and final_state are
+    then [N, H, K, V]. state_v_first: both are [N, H, V, K] ([B, H, V, K] without
+    cu_seqlens). Everything is checked (a CPU copy of cu_seqlens) before any kernel runs."""
+    # the pin is checked first (prepare refuses a v that is no [B, T, H, V] tensor, so pin is set past it)
+    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
+    c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+                lower_bound=lower_bound, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                state_v_first=state_v_first)
+    _check_pairwise(pin, c)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)):
+        if cu_seqlens is not None or state_v_first:
+            raise ValueError("stage 13's backward takes plain sequences and the state [B, H, K, V]: with "
+                             "cu_seqlens or state_v_first=True, call it without gradients (torch.no_grad())")
+    return extrun.run(build(), SPEC, c, path=pin)
+
+
+def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
+            output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
+            backward=False, cu_seqlens=None, state_v_first=False):
+    """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
+    # the pin is checked first (prepare refuses a v that is no [B, T, H, V] tensor, so pin is set past it)
+    pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
+    c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, gate=gate,
+                lower_bound=lower_bound, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+                state_v_first=state_v_first)
+    _check_pairwise(pin, c)
+    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=pin)
+
+
+# The aim the stage was built to (issue 21): with the softplus gate, GPU time at most this fraction of FLA's
+# chunk_kda (safe_gate=False) at every benchmark shape and Kimi Linear's; notebook 12 asserts it against the records.
+FLA_TIME_TARGET = 0.7
+
+# A chunk whose decay -glast (any key dimension, natural log) exceeds this goes pair by pair
+# (common.cuh kFactoredRange: the bounded gate's guarantee, 16 tokens of a >= -5).
+FACTORED_RANGE = 80.0
+
+
+def wide_chunks(a, cu_seqlens=None):
+    """How many chunks go pair by pair, and how many there are, for the log decay a
+    ([B, T, H, K], natural log, a <= 0: what common.reference.log_decay gives): a
+    chunk (16 tokens of one sequence and head) is wide when some key dimension's decay
+    summed over it is below -FACTORED_RANGE. Computed in float64 here: a chunk within
+    fp32 round-off of the range may be counted the other way by the kernel."""
+    B, T, H, K = a.shape
+    bounds = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
+        [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    wide = total = 0
+    for b, s, e in bounds:
+        x = a[b, s:e].double()
+        n = -(-(e - s) // 16)
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 16 * n - (e - s)))
+        glast = x.reshape(n, 16, H, K).sum(1)  # [n, H, K]
+        wide += int((glast < -FACTORED_RANGE).any(-1).sum())
+        total += n * H
+    return wide, total
+
+
+# The split path's segment length in chunks (binding.cpp kSegmentChunks; a GPU test counts the launches).
+SEGMENT_CHUNKS = 64
+
+# The fused kernel's prepare teams of 4 warps on alternate chunks (fused.cuh kPrepTeams; a test
+# compares): thread 0 of each team adds its timeline to the block's prepare regions of a profile.
+PREP_TEAMS = 2
+
+# The rule's split width at V = 128 (kda_fwd_plan): two compute warps per K2 block once one-warp
+# blocks (B*H*V/16) would cover half the SMs, fewer heads one (re-measured here where the serial
+# chain binds; a GPU test counts K2's grid).
+SPLIT_NCW_V128 = 2
+
+# K2's ring at K = 64 where each K2 block has an SM to itself (blocks <= SMs): this many
+# slots instead of 4 (common.cuh kLoneStages64; a test compares, a GPU test reads K2's
+# shared memory in the launch log).
+LONE_RING64 = 8
+
+PATHS = {"split1": (0, 1), "split2": (0, 2), "fused1": (1, 1), "fused2": (1, 2), "fused4": (1, 4),
+         "fused8": (1, 8)}
+
+# The records of this stage's own measurements (common.stages.declared_records): its time at the
+# tensor-core shapes on the bounded gate, measured beside stage 11 and FlashKDA (scripts/bench_summit.py).
+RECORDS = {}  # none yet: this stage has not run on a GPU
+
+
+_PIN: ContextVar = ContextVar("path_pin", default=(None, None, None))  # (name, segment_chunks, long_from) of ``path``
+_PAIRWISE: ContextVar = ContextVar("pairwise_pin", default=None)  # None: the gate's; True / False: pinned
+_U_HALVES: ContextVar = ContextVar("u_halves_pin", default=None)  # None: the gate's; True / False: pinned
+_DEEP_RING: ContextVar = ContextVar("deep_ring_pin", default=None)  # None: the rule's; True / False: pinned
+
+
+def path_error(name, V):
+    """Why path ``name`` cannot run at value dimension V (None: it can)."""
+    if name is None:
+        return None
+    if name not in PATHS:
+        return f"path must be one of {', '.join(PATHS)} or None, got {name!r}"
+    ncw = PATHS[name][1]
+    if 16 * ncw > V:
+        return f"path {name!r} has {ncw} compute warps of 16 value columns: it needs V >= {16 * ncw}, got V = {V}"
+    return None
+
+
+@contextmanager
+def path(name=None, segment_chunks=None, long_from=None):
+    """Pin the kernels of the calls inside the block: "split1"/"split2" (K1 + K2
+    with 1 or 2 compute warps per K2 block) or "fused1"/"fused2"/"fused4"/"fused8"
+    (the fused kernel with that many compute warps per block; fused8 needs
+    K = V = 128); None keeps the stage's rule. A path that does not exist for
+    the sizes of a call raises at that call (path_error). ``segment_chunks`` sets
+    how many chunks the split path runs per K1 + K2 pair (None: SEGMENT_CHUNKS),
+    so that the tests see many segments in a short sequence. ``long_from`` sets
+    the hybrid's threshold in tokens where the path is fused (None: the rule's,
+    binding.cpp; 0: no hybrid): every sequence at least that long runs on the
+    split path beside the fused kernel. The pin is passed to each call as an
+    argument (nothing is stored in the extension)."""
+    if name is not None and name not in PATHS:
+        raise ValueError(path_error(name, 0))
+    if segment_chunks is not None and (isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int)
+                                       or segment_chunks < 1):
+        raise ValueError(f"segment_chunks must be a positive int or None, got {segment_chunks!r}")
+    if long_from is not None and (isinstance(long_from, bool) or not isinstance(long_from, int) or long_from < 0):
+        raise ValueError(f"long_from must be an int >= 0 (0: no hybrid) or None (the rule), got {long_from!r}")
+    if long_from and name is not None and not PATHS[name][0]:
+        raise ValueError(f"long_from (the hybrid) needs a fused path, got the split path {name!r}")
+    token = _PIN.set((name, segment_chunks, long_from))
+    try:
+        yield
+    finally:
+        _PIN.reset(token)
+
+
+def _path_args(V) -> dict:
+    """The extension's path arguments for a call at value dimension V (refused here,
+    before the extension is called, when the pinned path cannot run)."""
+    name, segment_chunks, long_from = _PIN.get()
+    why = path_error(name, V)
+    if why is not None:
+        raise ValueError(why)
+    fused, ncw = PATHS[name] if name is not None else (-1, 0)
+    pw = _PAIRWISE.get()
+    return dict(fused=fused, ncw=ncw, segment_chunks=segment_chunks or 0, pairwise=-1 if pw is None else int(pw),
+                long_from=-1 if long_from is None else long_from,
+                u_halves=-1 if _U_HALVES.get() is None else int(_U_HALVES.get()),
+                deep_ring=-1 if _DEEP_RING.get() is None else int(_DEEP_RING.get()))
+
+
+def _check_pairwise(pin, c):
+    """The factored products pinned on the softplus gate, and the 8-slot ring at K = 128: refused here,
+    before the extension."""
+    if pin["deep_ring"] == 1 and c.K != 64:
+        raise ValueError(f"deep_ring(True) pins the 8-slot ring, which is K = 64's; got K = {c.K}")
+    if pin["pairwise"] == 0 and c.gate == "softplus":
+        raise ValueError("pairwise(False) pins the factored products, which need a bounded gate: with "
+                         "gate='softplus' exp(-gc) overflows; use pairwise(None) or pairwise(True)")
+
+
+@contextmanager
+def _pinned(var: ContextVar, name: str, on):
+    """Set one variant pin (True, False or None: the rule's) for the calls inside the block."""
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"{name} must be True, False or None, got {on!r}")
+    token = var.set(on)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextmanager
+def pairwise(on=True):
+    """Pin how the calls inside the block form L and Aqk: True pair by pair in every chunk
+    (any gate), False factored through exp(-gc) in every chunk (stage 11's; only a bounded
+    gate: the softplus gate raises at its call), None the gate's own choice (a bounded gate
+    factored; a gate without a bound pair by pair in its wide chunks, factored elsewhere)."""
+    with _pinned(_PAIRWISE, "pairwise", on):
+        yield
+
+
+@contextmanager
+def u_halves(on=True):
+    """Pin how the calls inside the block form u = Af @ v: True with Af in two bf16 halves,
+    Af_hi + Af_lo, so that u, from which every state update is built, carries no bf16
+    rounding of Af (a gate without a bound does so by default); False with Af rounded to
+    bf16 once, as stages 05-11 (a bounded gate's default: stage 11's bits); None the gate's."""
+    with _pinned(_U_HALVES, "u_halves", on):
+        yield
+
+
+@contextmanager
+def deep_ring(on=True):
+    """Pin K2's ring on the split path at K = 64 for the calls inside the block: True 8 slots
+    (kLoneStages64) wherever they fit a block's shared memory, False 4 (kStagesFor, stage 11's),
+    None the rule's (8 where every K2 block has an SM, else 4). True with K = 128 raises at the
+    call. The fused path has no ring of K2's and ignores it."""
+    with _pinned(_DEEP_RING, "deep_ring", on):
+        yield
+
+
+def frag_check(A, X):
+    """out = A @ bf16(X) computed by one warp whose X starts as an MMA accumulator
+    and becomes the B operand through movmatrix (the identity stage 07 relies on).
+    A: bf16 [16, kd] and X: fp32 [kd, 16] on a CUDA device, kd in {16, 64, 128}."""
+    if not (isinstance(A, torch.Tensor) and isinstance(X, torch.Tensor)):
+        raise TypeError("A and X must be torch tensors")
+    if A.device.type != "cuda" or X.device != A.device:
+        raise ValueError(f"A and X must be on the same CUDA device, got {A.device} and {X.device}")
+    if A.dtype != torch.bfloat16 or X.dtype != torch.float32:
+        raise TypeError(f"A must be bfloat16 and X float32, got {A.dtype} and {X.dtype}")
+    if A.dim() != 2 or A.shape[0] != 16 or A.shape[1] not in (16, 64, 128) or tuple(X.shape) != (A.shape[1], 16):
+        raise ValueError(f"A must be [16, kd] with kd in (16, 64, 128) and X [kd, 16], got {tuple(A.shape)} "
+                         f"and {tuple(X.shape)}")
+    return build().frag_check(A.contiguous(), X.contiguous())

@@ -1,0 +1,134 @@
+"""Stage 13's backward (next/13_backward, on its way into the ladder), checked on a machine without a GPU.
+
+The CUDA source of its four kernels runs on the CPU under common/include/kda_emu.h (a std::thread per CUDA
+thread, barriers for __syncthreads and the shuffles), with the GPU build's grids, threads and shared memory:
+every gradient must match autograd through the fp64 token loop at fp32 round-off, and each kernel's output the
+fp64 model of common/backward_model.py. A kernel that reads the wrong row, skips a barrier's partner or drops
+a term fails here by orders of magnitude (the reverse chain without the diagonal of Aqk^T do: 1.6e-3 to 3e-2
+on every gradient but dq, against 2e-7). The GPU build is compiled too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from common import backward_model as bm
+from common.inputs import make_cotangents, make_inputs
+from common.metrics import rel_err
+from common.paths import REPO_ROOT
+from common.reference import activate, kda_reference
+
+STAGE_DIR = REPO_ROOT / "next" / "13_backward"
+NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+TOL = 1e-5  # fp32 arithmetic against fp64 on the same bf16 inputs: 2e-7 to 2.3e-6 measured (dA_log the largest)
+
+# (B, T, H, K = V, gate, lower_bound, h0, seed): B > 1 with h0 and a tail, one chunk and less, both head sizes
+CASES = [
+    (2, 37, 2, 64, "softplus", None, True, 1),
+    (1, 20, 1, 128, "bounded", -5.0, True, 2),
+    (3, 5, 1, 64, "bounded", -2.0, False, 3),
+    (1, 48, 2, 64, "softplus", None, False, 4),
+]
+
+
+def _stage():
+    spec = importlib.util.spec_from_file_location("kdalab_next_13", STAGE_DIR / "stage.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def stage():
+    return _stage()
+
+
+def _case(B, T, H, K, gate, lb, h0, seed):
+    kw = make_inputs(B, T, H, K, K, seed=seed, dtype=torch.bfloat16, gate=gate, lower_bound=lb, h0=h0,
+                     chunk_size=16)
+    do, dht = make_cotangents((B, T, H, K), (B, H, K, K), seed=seed)
+    return kw, do, dht
+
+
+def _reference(kw, do, dht, gate, lb):
+    """Autograd through the fp64 token loop on the same (bf16) inputs."""
+    leaves = {n: (None if kw[n] is None else kw[n].detach().double().requires_grad_()) for n in NAMES}
+    o, S = kda_reference(**leaves, gate=gate, lower_bound=lb, scale=kw["q"].shape[-1] ** -0.5)
+    torch.autograd.backward((o, S), (do.double(), dht.double()))
+    return {n: (None if t is None else t.grad) for n, t in leaves.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-{c[4]}-h0{int(c[6])}")
+def test_every_gradient_is_autograd_at_fp32_roundoff(stage, case):
+    B, T, H, K, gate, lb, h0, seed = case
+    kw, do, dht = _case(*case)
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht)
+    ref = _reference(kw, do, dht, gate, lb)
+    for n in NAMES:
+        if ref[n] is None:
+            assert got[n] is None
+            continue
+        assert torch.isfinite(got[n]).all(), f"d{n} has a NaN: an element never written"
+        assert rel_err(got[n], ref[n]) <= TOL, f"d{n}: {rel_err(got[n], ref[n]):.2e}"
+
+
+def test_each_kernel_is_the_model(stage):
+    """B1's operands, B2's entry states and vcorr, B3's exit gradients and dvcorr, chunk by chunk, against
+    common/backward_model.py in fp64 (a tail chunk compared on its real tokens)."""
+    B, T, H, K, gate, lb, h0, seed = CASES[0]
+    kw, do, dht = _case(*CASES[0])
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht)
+    x = {n: kw[n].double() for n in NAMES}
+    qn, kn, b, a = activate(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], gate=gate, lower_bound=lb)
+    NT = math.ceil(T / 16)
+    ops = [bm.chunk_operands(qn, kn, x["v"], b, a, scale=K ** -0.5, t0=t0, t1=min(t0 + 16, T))
+           for t0 in range(0, T, 16)]
+    S, entry, vcorr = x["initial_state"], [], []
+    for c in ops:
+        vc, _, S_next = bm.step(c, S)
+        entry.append(S)
+        vcorr.append(vc)
+        S = S_next
+    dS, exits, dvcorr = dht.double(), [None] * NT, [None] * NT
+    for n in range(NT - 1, -1, -1):
+        exits[n] = dS
+        dvcorr[n], dS = bm.reverse_step(ops[n], dS, do.double()[:, 16 * n:16 * n + 16].transpose(1, 2))
+    for n, c in enumerate(ops):
+        m = c["q"].shape[2]
+        want = dict(qd=c["qd"], kr=c["kr"], w=c["w"], u=c["u"], Aqk=c["Aqk"], el=torch.exp(c["glast"]),
+                    states=entry[n], dstates=exits[n], vcorr=vcorr[n], dvcorr=dvcorr[n])
+        for name, ref in want.items():
+            t = got[name].reshape(B, H, NT, *got[name].shape[1:])[:, :, n]
+            t = t[:, :, :m, :m] if name == "Aqk" else t[:, :, :m] if t.dim() == 4 and name not in ("states", "dstates") \
+                else t
+            assert rel_err(t, ref) <= TOL, f"chunk {n} {name}: {rel_err(t, ref):.2e}"
+
+
+def test_the_check_fails_on_wrong_gradients(stage):
+    """The comparison itself: the same inputs with the gate taken as the other one give gradients far off."""
+    B, T, H, K, gate, lb, h0, seed = CASES[1]
+    kw, do, dht = _case(*CASES[1])
+    ref = _reference(kw, do, dht, gate, lb)
+    wrong = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate="softplus", do=do, dht=dht)
+    assert max(rel_err(wrong[n], ref[n]) for n in ("k", "g", "beta")) > 100 * TOL
+
+
+def test_the_cpu_check_of_the_algorithm_holds():
+    """The notebook's check of the algorithm on the CPU (common.notebook.backward_model_check) and its picture."""
+    import matplotlib.pyplot as plt
+
+    from common import notebook
+
+    table = notebook.backward_model_check()
+    assert table.shape == (8, 2) and float(table.max().max()) < 1e-9
+    notebook.backward_picture()
+    plt.close("all")
+
+
+def test_the_gpu_build_compiles(stage):
+    """The CUDA build of the stage (stage 12's forward and the backward kernels) compiles with nvcc here."""
+    assert hasattr(stage.build(), "bwd")
