@@ -1,0 +1,180 @@
+"""The backward of a stage against the fp64 token loop's autograd, on the tensor-core check cases
+of both gates and a few more that a backward's indexing could hide an error in (a sequence
+shorter than a chunk, B > 1 with h0 and a tail at both head sizes). For each case and output: the
+error against fp64 (common.checks.check_case: o and S also against the previous stage, which
+must be bitwise where the stage declares it), against stage 04's fp32 backward on the same
+inputs, and, with --fla, FLA's own error on the same inputs and the ratio of the two (FLA's
+measure: RMS of the difference over RMS of the reference, common.metrics.rel_err). Rows are
+saved after every case. (GPU.)
+
+    python scripts/check_backward.py --stage 13 --quick --out $OUT/bwd_quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from common import checks  # noqa: E402
+from common.checks import Case  # noqa: E402
+from common.inputs import make_cotangents  # noqa: E402
+from common.metrics import rel_err  # noqa: E402
+from common.results import metadata  # noqa: E402
+from common.stages import load_stage  # noqa: E402
+
+# Cases beyond the forward's: one sequence shorter than a chunk, B > 1 with h0 and a tail at both sizes.
+EXTRA = [
+    Case(2, 5, 3, 64, 64, chunk=16, gate="softplus", seed=51),
+    Case(3, 45, 2, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=52),
+    Case(2, 33, 4, 64, 64, chunk=16, gate="bounded", lower_bound=-2.0, seed=53),
+]
+
+
+def cases(quick: bool):
+    return EXTRA + checks.tc_cases(quick) + checks.tc_softplus_cases(quick)
+
+
+def fla_rows(case: Case, names) -> dict:
+    """FLA's error against fp64 on the case's inputs, per output."""
+    from common.fla_ref import fla_forward
+    from common.reference import kda_reference
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+    cot = make_cotangents((case.B, case.T, case.H, case.V), (case.B, case.H, case.K, case.V), seed=case.seed)
+    fla = checks.run(fla_forward, inp, "cuda", backward=True, cotangents=cot)
+    ref = checks.run(kda_reference, inp, "cuda", backward=True, cotangents=cot, dtype=torch.float64)
+    scales = checks.reduction_scales(inp, cot)
+    return {n: checks._err(fla[n], ref[n], scales.get(n)) for n in names if fla.get(n) is not None
+            and ref.get(n) is not None}
+
+
+def vs_stage(stage, other, case: Case) -> dict:
+    """Each gradient of ``stage`` against ``other``'s backward on the same inputs (plain rel_err)."""
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+    cot = make_cotangents((case.B, case.T, case.H, case.V), (case.B, case.H, case.K, case.V), seed=case.seed)
+    a = checks.run(stage.forward, inp, "cuda", backward=True, cotangents=cot)
+    b = checks.run(other.forward, inp, "cuda", backward=True, cotangents=cot)
+    return {n: rel_err(a[n], b[n]) for n in a if n.startswith("d") and a[n] is not None and b.get(n) is not None}
+
+
+KERNEL_CASES = [Case(2, 37, 3, 64, 64, chunk=16, gate="softplus", seed=61),
+                Case(1, 50, 2, 128, 128, chunk=16, gate="bounded", lower_bound=-5.0, seed=62)]
+
+
+def kernel_rows(stage, case: Case) -> dict:
+    """Each backward kernel's output against common/backward_model.py on the same (bf16) inputs, in fp64:
+    B1's operands, B2's entry states and vcorr, B3's exit gradients and dvcorr (rel_err over the real chunks)."""
+    from common import backward_model as bm
+    from common.contract import prepare
+    from common.reference import activate
+    inp = checks.case_inputs(case, "cpu", torch.bfloat16)
+    do, dht = make_cotangents((case.B, case.T, case.H, case.V), (case.B, case.H, case.K, case.V), seed=case.seed)
+    c = prepare(stage.SPEC, **{n: (x.cuda() if torch.is_tensor(x) else x) for n, x in inp.items()})
+    ws = stage.build().bwd_workspace(c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state, c.scale,
+                                     c.gate_id, c.lower_bound, do.cuda(), dht.cuda())
+    names = ("qd", "kr", "w", "u", "Aqk", "el", "states", "dstates", "vcorr", "dvcorr")
+    ws = {n: t.double().cpu() for n, t in zip(names, ws)}
+    f64 = {n: (x.double() if torch.is_tensor(x) else x) for n, x in inp.items()}
+    qn, kn, b, a = activate(f64["q"], f64["k"], f64["g"], f64["beta"], f64["A_log"], f64["dt_bias"], gate=case.gate,
+                            lower_bound=case.lower_bound)
+    B, T, H, K = qn.shape
+    NT = -(-T // 16)
+    ops = [bm.chunk_operands(qn, kn, f64["v"], b, a, scale=c.scale, t0=s0, t1=min(s0 + 16, T))
+           for s0 in range(0, T, 16)]
+    S = f64["initial_state"] if f64["initial_state"] is not None else qn.new_zeros(B, H, K, K)
+    want = {n: [] for n in names}
+    for n, op in enumerate(ops):
+        vc, _, S_out = bm.step(op, S)
+        want["states"].append(S)
+        want["vcorr"].append(vc)
+        S = S_out
+    dS = dht.double()
+    dos = [do.double()[:, s0:min(s0 + 16, T)].transpose(1, 2) for s0 in range(0, T, 16)]
+    rev = [None] * NT
+    for n in range(NT - 1, -1, -1):
+        dvc, dS_in = bm.reverse_step(ops[n], dS, dos[n])
+        rev[n] = (dS, dvc)
+        dS = dS_in
+    out = {}
+    for name in names:
+        got = ws[name].reshape(B, H, NT, *ws[name].shape[1:])
+        errs = []
+        for n, op in enumerate(ops):
+            m = op["q"].shape[2]  # real tokens of chunk n
+            if name in ("states",):
+                ref = want["states"][n]
+            elif name == "vcorr":
+                ref = want["vcorr"][n]
+            elif name == "dstates":
+                ref = rev[n][0]
+            elif name == "dvcorr":
+                ref = rev[n][1]
+            elif name == "el":
+                ref = torch.exp(op["glast"])
+            elif name == "Aqk":
+                ref = op["Aqk"]
+            else:
+                ref = op[name]
+            g = got[:, :, n]
+            if name in ("qd", "kr", "w", "u", "vcorr", "dvcorr"):
+                g = g[:, :, :m]
+            elif name == "Aqk":
+                g = g[:, :, :m, :m]
+            errs.append(rel_err(g, ref))
+        out[name] = max(errs)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", default="13")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fla", action="store_true", help="FLA's error on each case too (its Triton backward compiles first)")
+    ap.add_argument("--no-04", action="store_true", help="skip the comparison with stage 04's fp32 backward")
+    ap.add_argument("--kernels", action="store_true", help="first, each kernel's output against the model")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    stage = load_stage(args.stage)
+    s04 = None if args.no_04 else load_stage("04")
+    out = Path(args.out)
+    rec = dict(meta=metadata(), stage=stage.SPEC.name, rows=[], fla={}, vs04={}, errors={})
+    t0 = time.time()
+    if args.kernels:
+        rec["kernels"] = {}
+        for case in KERNEL_CASES:
+            try:
+                rec["kernels"][case.id] = kernel_rows(stage, case)
+                print(f"kernels {case.id}: " + ", ".join(f"{n} {e:.1e}" for n, e in rec["kernels"][case.id].items()),
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                rec["errors"]["kernels " + case.id] = f"{type(e).__name__}: {e}"
+                print(f"kernels {case.id}: {type(e).__name__}: {e}", flush=True)
+        out.write_text(json.dumps(rec, indent=1, default=str))
+    for case in cases(args.quick):
+        try:
+            rows = checks.check_case(stage, case, backward=True)
+            rec["rows"] += rows
+            bad = [r["output"] for r in rows if not r["ok"]]
+            worst = max((r["err_ref"] for r in rows if r["output"].startswith("d")), default=None)
+            print(f"[{time.time() - t0:6.1f} s] {case.id}: worst gradient {worst:.2e}; not ok: {bad}", flush=True)
+            if s04 is not None and not case.extreme:
+                rec["vs04"][case.id] = vs_stage(stage, s04, case)
+            if args.fla:
+                rec["fla"][case.id] = fla_rows(case, [r["output"] for r in rows])
+        except Exception as e:  # noqa: BLE001  (recorded, and the next case runs)
+            rec["errors"][case.id] = f"{type(e).__name__}: {e}"
+            print(f"{case.id}: {type(e).__name__}: {e}", flush=True)
+        out.write_text(json.dumps(rec, indent=1, default=str))
+    print(f"done in {time.time() - t0:.0f} s: {sum(not r['ok'] for r in rec['rows'])} rows not ok, "
+          f"{len(rec['errors'])} errors", flush=True)
+
+
+if __name__ == "__main__":
+    main()
