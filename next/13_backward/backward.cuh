@@ -7,7 +7,7 @@
 //        qd, kr, w [16, K], u [16, V], Aqk [16, 16], el = exp(glast) [K]
 //   B2 states (serial, one block per (sequence, head, 32 value columns)): the forward chain
 //        from h0 again, keeping each chunk's entry state S and vcorr = u - w S;
-//   B3 reverse (serial, the same blocks, from the last chunk to the first): the state's gradient
+//   B3 reverse (serial, as many blocks, from the last chunk to the first): the state's gradient
 //        dS (from dht) carried back, keeping each chunk's exit gradient and
 //        dvcorr = kr dS + Aqk^T do;      dS <- el * dS + qd^T do - w^T dvcorr;   dh0 = dS
 //   B4 adjoint (parallel, one block per chunk): from S, dS, vcorr, dvcorr and do, the chunk's
@@ -16,8 +16,8 @@
 //
 // Every product here is fp32 on the CUDA cores and every decay is taken pair by pair
 // (exp(gc_c - gc_i) <= 1 for i <= c), so no gate overflows: this first backward is the
-// reference the tensor-core kernels are checked against. B2 and B3 need only B1's operands and
-// run one after the other on the caller's stream.
+// reference the tensor-core kernels are checked against. B2 and B3 need only B1's operands: one
+// launch runs both (kda_bwd_chains_kernel), side by side on different SMs.
 #pragma once
 
 #ifndef KDA_DYNAMIC_SMEM  // common/include/kda_emu.h, which runs these kernels on the CPU, has its own
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_bwd_prepare_kernel(const Kda
 }
 
 // ---------------------------------------------------------------------------
-// B2, B3: the two chains. Block (bh, tile): lane j holds value column tile * 32 + j, warp w the
+// B2, B3: the two chains. Chain block (bh, tile): lane j holds value column tile * 32 + j, warp w the
 // key rows [w D / 4, (w + 1) D / 4) of it, in registers.
 // ---------------------------------------------------------------------------
 template <int D>
@@ -213,12 +213,10 @@ __device__ __forceinline__ size_t state_at(int bh, int row, int col) {
 }
 
 template <int D>
-__global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_states_kernel(const KdaBwdParams p) {
-  KDA_DYNAMIC_SMEM(smem_raw);
-  ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
+__device__ void states_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) {
   constexpr int R = D / kChainWarps;
   const int tiles = D / kVTile;
-  const int bh = blockIdx.x / tiles, col = (blockIdx.x % tiles) * kVTile + (threadIdx.x & 31);
+  const int bh = block / tiles, col = (block % tiles) * kVTile + (threadIdx.x & 31);
   const int warp = threadIdx.x >> 5, r0 = warp * R, tid = threadIdx.x;
   float S[R];
 #pragma unroll
@@ -267,12 +265,10 @@ __global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_states_kernel(co
 }
 
 template <int D>
-__global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_reverse_kernel(const KdaBwdParams p) {
-  KDA_DYNAMIC_SMEM(smem_raw);
-  ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
+__device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) {
   constexpr int R = D / kChainWarps;
   const int tiles = D / kVTile;
-  const int bh = blockIdx.x / tiles, col0 = (blockIdx.x % tiles) * kVTile, j = threadIdx.x & 31, col = col0 + j;
+  const int bh = block / tiles, col0 = (block % tiles) * kVTile, j = threadIdx.x & 31, col = col0 + j;
   const int warp = threadIdx.x >> 5, r0 = warp * R, tid = threadIdx.x;
   const int b = bh / p.H, h = bh % p.H;
   float dS[R];
@@ -325,6 +321,19 @@ __global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_reverse_kernel(c
 #pragma unroll
     for (int r = 0; r < R; ++r) p.dh0[state_at<D>(bh, r0 + r, col)] = dS[r];
   }
+}
+
+// B2 and B3 need only B1's operands, not each other: one launch runs both chains side by side, its first
+// B H D / 32 blocks the forward chain, the rest the reverse chain, so that the two serial walks overlap.
+template <int D>
+__global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_chains_kernel(const KdaBwdParams p) {
+  KDA_DYNAMIC_SMEM(smem_raw);
+  ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
+  const int chains = p.B * p.H * (D / kVTile);
+  if ((int)blockIdx.x < chains)
+    states_chain<D>(p, s, blockIdx.x);
+  else
+    reverse_chain<D>(p, s, blockIdx.x - chains);
 }
 
 // ---------------------------------------------------------------------------
