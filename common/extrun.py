@@ -12,7 +12,7 @@ in preallocated (so checks can poison them):
 o is [B, T, H, V] in the stage's compute dtype (float32 for 01-04, bfloat16
 for the tensor-core stages), ht is float32 [B, H, K, V] (a varlen stage's call
 with packed sequences or the V-first state: [N, H, K, V] or [N, H, V, K], and
-fwd takes cu_seqlens, max_seqlen, seq_lens, state_v_first by name); every gradient is
+fwd, and a varlen stage's bwd, take cu_seqlens, max_seqlen, seq_lens, state_v_first by name); every gradient is
 float32 in the shape of its input. ``prof`` is the profile buffer of the -DKDA_PROFILE
 build (None otherwise): float64 seconds [1, 20] on the CPU, int64 cycles
 [slots, 16] on the GPU (see common/include/kda_profile.cuh).
@@ -65,7 +65,8 @@ def _bwd(ext, c: Call, do, dht, prof=None):
     do = do.to(f32).contiguous()
     dht = None if dht is None else dht.to(f32).contiguous()
     ext.bwd(c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state, c.scale, c.gate_id,
-            c.lower_bound, c.chunk_size, do, dht, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, prof)
+            c.lower_bound, c.chunk_size, do, dht, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, prof,
+            **_layout_args(c))
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 

@@ -44,6 +44,16 @@ struct ChunkSmem {
 
 __device__ __forceinline__ float bf2f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Sequence i: its first token and length (common.cuh's seq_span for KdaBwdParams). Without cu_seqlens
+// batch row i, (i T, T); with them tokens cu[i] .. cu[i + 1] - 1 of the packed [1, T] inputs.
+struct Span {
+  int bos, len;
+};
+__device__ __forceinline__ Span span_of(const KdaBwdParams& p, int i) {
+  if (p.cu_seqlens == nullptr) return Span{i * p.T, p.T};
+  return Span{p.cu_seqlens[i], p.cu_seqlens[i + 1] - p.cu_seqlens[i]};
+}
+
 // The log decay of one gate argument x = g + dt_bias (A = exp(A_log)).
 __device__ __forceinline__ float gate_of(const KdaBwdParams& p, float A, float x) {
   if (p.gate_id == KDA_GATE_SOFTPLUS) {
@@ -58,14 +68,15 @@ __device__ __forceinline__ float gate_of(const KdaBwdParams& p, float A, float x
 template <int D, int NTHR>
 __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = bh / p.H, h = bh % p.H;
-  const int t0 = n * BT, len = min(BT, p.T - t0);
+  const int h = bh % p.H;
+  const Span sq = span_of(p, bh / p.H);
+  const int t0 = n * BT, len = min(BT, sq.len - t0);
   const float A = expf(p.A_log[h]);
   for (int idx = tid; idx < BT * D; idx += NTHR) {
     const int c = idx / D, d = idx % D;
     float q = 0.f, k = 0.f, v = 0.f, a = 0.f;
     if (c < len) {
-      const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;
+      const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
       q = bf2f(p.q[row * D + d]);
       k = bf2f(p.k[row * D + d]);
       v = bf2f(p.v[row * D + d]);
@@ -78,7 +89,7 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
   }
   if (tid < BT) {
     const int c = tid;
-    s.beta[c] = c < len ? 1.f / (1.f + expf(-bf2f(p.beta[((size_t)b * p.T + t0 + c) * p.H + h]))) : 0.f;
+    s.beta[c] = c < len ? 1.f / (1.f + expf(-bf2f(p.beta[((size_t)sq.bos + t0 + c) * p.H + h]))) : 0.f;
   }
   __syncthreads();
   // the norms, one warp per row
@@ -154,6 +165,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_bwd_prepare_kernel(const Kda
   KDA_DYNAMIC_SMEM(smem_raw);
   ChunkSmem<D>& s = *reinterpret_cast<ChunkSmem<D>*>(smem_raw);
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
+  if (n * BT >= span_of(p, bh / p.H).len) return;  // past the sequence's end: the whole block
   load_chunk<D, kPrepThreads>(p, bh, n, s);
   const size_t slot = chunk_slot(p, bh, n);
   const int tid = threadIdx.x;
@@ -221,7 +233,8 @@ __device__ void states_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) 
   float S[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = p.h0 != nullptr ? p.h0[state_at<D>(bh, r0 + r, col)] : 0.f;
-  for (int n = 0; n < p.NT; ++n) {
+  const int nt = (span_of(p, bh / p.H).len + BT - 1) / BT;  // this sequence's chunks
+  for (int n = 0; n < nt; ++n) {
     const size_t slot = chunk_slot(p, bh, n);
     load_rows<D>(p.w + slot * BT * D, s.a);
     load_rows<D>(p.kr + slot * BT * D, s.b);
@@ -270,13 +283,15 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
   const int tiles = D / kVTile;
   const int bh = block / tiles, col0 = (block % tiles) * kVTile, j = threadIdx.x & 31, col = col0 + j;
   const int warp = threadIdx.x >> 5, r0 = warp * R, tid = threadIdx.x;
-  const int b = bh / p.H, h = bh % p.H;
+  const int h = bh % p.H;
+  const Span sq = span_of(p, bh / p.H);
+  const int nt = (sq.len + BT - 1) / BT;
   float dS[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) dS[r] = p.dht != nullptr ? p.dht[state_at<D>(bh, r0 + r, col)] : 0.f;
-  for (int n = p.NT - 1; n >= 0; --n) {
+  for (int n = nt - 1; n >= 0; --n) {
     const size_t slot = chunk_slot(p, bh, n);
-    const int t0 = n * BT, len = min(BT, p.T - t0);
+    const int t0 = n * BT, len = min(BT, sq.len - t0);
     load_rows<D>(p.kr + slot * BT * D, s.a);
     load_rows<D>(p.qd + slot * BT * D, s.b);
     load_rows<D>(p.w + slot * BT * D, s.c);
@@ -284,7 +299,7 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
     for (int i = tid; i < BT * BT; i += kVTile * kChainWarps) s.aqk[i / BT][i % BT] = p.Aqk[slot * BT * BT + i];
     for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
       const int c = idx / kVTile, jj = idx % kVTile;
-      s.e[c][jj] = c < len ? p.dout[(((size_t)b * p.T + t0 + c) * p.H + h) * D + col0 + jj] : 0.f;
+      s.e[c][jj] = c < len ? p.dout[(((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + jj] : 0.f;
     }
     __syncthreads();
     float* st = p.dstates + slot * D * D;
@@ -329,7 +344,7 @@ template <int D>
 __global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_chains_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
   ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
-  const int chains = p.B * p.H * (D / kVTile);
+  const int chains = p.N * p.H * (D / kVTile);
   if ((int)blockIdx.x < chains)
     states_chain<D>(p, s, blockIdx.x);
   else
@@ -357,14 +372,16 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
   KDA_DYNAMIC_SMEM(smem_raw);
   AdjSmem<D>& s = *reinterpret_cast<AdjSmem<D>*>(smem_raw);
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
-  const int b = bh / p.H, h = bh % p.H, t0 = n * BT, len = min(BT, p.T - t0);
+  const Span sq = span_of(p, bh / p.H);
+  const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
+  if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   load_chunk<D, kAdjThreads>(p, bh, n, s.ch);
   ChunkSmem<D>& ch = s.ch;
   const size_t slot = chunk_slot(p, bh, n);
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
     const int c = idx / D, d = idx % D;
-    s.dout[c][d] = c < len ? p.dout[(((size_t)b * p.T + t0 + c) * p.H + h) * D + d] : 0.f;
+    s.dout[c][d] = c < len ? p.dout[(((size_t)sq.bos + t0 + c) * p.H + h) * D + d] : 0.f;
     s.vc[c][d] = p.vcorr[slot * BT * D + idx];
     s.dvc[c][d] = p.dvcorr[slot * BT * D + idx];
   }
@@ -494,7 +511,7 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
       acc += dgc[c];
       float dgx = 0.f, dal = 0.f;
       if (c < len) {
-        const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;
+        const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
         const float x = bf2f(p.g[row * D + e]) + p.dt_bias[h * D + e];
         float dadx, dadlog;
         if (p.gate_id == KDA_GATE_SOFTPLUS) {
@@ -522,7 +539,7 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
     if (i < len) {
       float acc = 0.f;
       for (int c = i; c < BT; ++c) acc += ch.X[c][i] * ch.beta[i] * s.dvc[c][e];
-      p.dv[(((size_t)b * p.T + t0 + i) * p.H + h) * D + e] = acc;
+      p.dv[(((size_t)sq.bos + t0 + i) * p.H + h) * D + e] = acc;
     }
   }
   // per token: the l2norm's adjoint, dbeta through the sigmoid, dA_log's share; one warp per row
@@ -539,7 +556,7 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
       xk += __shfl_xor_sync(0xffffffffu, xk, o);
       al += __shfl_xor_sync(0xffffffffu, al, o);
     }
-    const size_t row = ((size_t)b * p.T + t0 + c) * p.H + h;
+    const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
     for (int e = lane; e < D; e += 32) {
       p.dq[row * D + e] = (s.dq[c][e] - ch.q[c][e] * xq) / ch.rq[c];
       p.dk[row * D + e] = (s.dk[c][e] - ch.k[c][e] * xk) / ch.rk[c];

@@ -435,16 +435,19 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
   }
 }
 
-// The backward (kda.h KdaBwdParams, backward.cuh): plain sequences, the state [B, H, K, V].
-// Recomputes what it needs from the inputs (no forward tensors are kept); every gradient is fp32
-// in its input's shape, written completely; dA_log and ddt_bias are sums over batch and time
-// taken here by torch (deterministic: no atomics).
+// The backward (kda.h KdaBwdParams, backward.cuh): the forward's sequences (batch rows, or packed by
+// cu_seqlens with B = 1: the caller validated them, as for fwd) and the state [N, H, K, V], or
+// [N, H, V, K] with state_v_first (turned around here, on the way in and out). Recomputes what it
+// needs from the inputs (no forward tensors are kept); every gradient is fp32 in its input's shape,
+// written completely; dA_log and ddt_bias are sums over batch and time taken here by torch
+// (deterministic: no atomics). Returns the kernels' workspace (bwd_workspace).
 std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                     torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias, OptTensor h0,
                                     double scale, int64_t gate_id, double lower_bound, int64_t chunk_size,
                                     torch::Tensor dout, OptTensor dht, torch::Tensor dq, torch::Tensor dk,
                                     torch::Tensor dv, torch::Tensor dg, torch::Tensor dbeta, torch::Tensor dA_log,
-                                    torch::Tensor ddt_bias, OptTensor dh0) {
+                                    torch::Tensor ddt_bias, OptTensor dh0, OptTensor cu_seqlens, int64_t max_seqlen,
+                                    bool state_v_first) {
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
@@ -458,8 +461,19 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK(chunk_size == kChunk, "stage " KDA_STAGE " supports only chunk_size 16, got ", chunk_size);
   TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK(B * T <= INT_MAX - kChunk, "B * T too large: ", B * T);
-  const int64_t NT = (T + kChunk - 1) / kChunk;
-  TORCH_CHECK(B * H * NT <= INT_MAX, "B * H * ceil(T / 16) too large: ", B * H * NT);
+  const bool packed = present(cu_seqlens);
+  int64_t N = B, max_len = T;
+  if (packed) {
+    TORCH_CHECK(cu_seqlens->defined() && cu_seqlens->dim() == 1 && cu_seqlens->size(0) >= 2,
+                "cu_seqlens must be 1-D [N + 1] with N >= 1, got shape ", cu_seqlens->sizes());
+    check_tensor(*cu_seqlens, "cu_seqlens", q, torch::kInt32);
+    TORCH_CHECK(B == 1, "with cu_seqlens the sequences are packed into q's one batch row: B must be 1, got B = ", B);
+    TORCH_CHECK(max_seqlen >= 0 && max_seqlen <= T, "max_seqlen must be in [0, T = ", T, "] (0: T), got ", max_seqlen);
+    N = cu_seqlens->size(0) - 1;
+    max_len = max_seqlen > 0 ? max_seqlen : T;
+  }
+  const int64_t NT = (max_len + kChunk - 1) / kChunk;
+  TORCH_CHECK(N * H * NT <= INT_MAX, "N * H * ceil(max_seqlen / 16) too large: ", N * H * NT);
   const auto f32 = torch::kFloat32;
   check_tensor(q, "q", q, torch::kBFloat16);
   check_tensor(k, "k", q, torch::kBFloat16);
@@ -474,15 +488,19 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   check_shape(beta, "beta", {B, T, H});
   check_shape(A_log, "A_log", {H});
   check_shape(dt_bias, "dt_bias", {H, K});
+  // the states in the caller's layout; the kernels take them K-first
+  const std::vector<int64_t> state_shape =
+      state_v_first ? std::vector<int64_t>{N, H, V, K} : std::vector<int64_t>{N, H, K, V};
+  auto k_first = [&](const torch::Tensor& t) { return state_v_first ? t.transpose(-1, -2).contiguous() : t; };
   if (present(h0)) {
     check_tensor(*h0, "h0", q, f32);
-    check_shape(*h0, "h0", {B, H, K, V});
+    check_shape(*h0, "h0", state_shape);
   }
   check_tensor(dout, "do", q, f32);
   check_shape(dout, "do", {B, T, H, V});
   if (present(dht)) {
     check_tensor(*dht, "dht", q, f32);
-    check_shape(*dht, "dht", {B, H, K, V});
+    check_shape(*dht, "dht", state_shape);
   }
   check_tensor(dq, "dq", q, f32);
   check_shape(dq, "dq", {B, T, H, K});
@@ -501,25 +519,31 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK(present(dh0) == present(h0), "dh0 is given exactly when h0 is");
   if (present(dh0)) {
     check_tensor(*dh0, "dh0", q, f32);
-    check_shape(*dh0, "dh0", {B, H, K, V});
+    check_shape(*dh0, "dh0", state_shape);
   }
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto opts = q.options().dtype(f32);
-  const int64_t slots = B * H * NT;
+  const int64_t slots = N * H * NT;
   torch::Tensor qd = torch::empty({slots, kChunk, K}, opts), kr = torch::empty({slots, kChunk, K}, opts);
   torch::Tensor w = torch::empty({slots, kChunk, K}, opts), u = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor Aqk = torch::empty({slots, kChunk, kChunk}, opts), el = torch::empty({slots, K}, opts);
   torch::Tensor states = torch::empty({slots, K, V}, opts), dstates = torch::empty({slots, K, V}, opts);
   torch::Tensor vcorr = torch::empty({slots, kChunk, V}, opts), dvcorr = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor dAlog_part = torch::empty({B, T, H}, opts);
+  torch::Tensor h0_k, dht_k, dh0_k;  // the states K-first
+  if (present(h0)) h0_k = k_first(*h0);
+  if (present(dht)) dht_k = k_first(*dht);
+  if (present(dh0)) dh0_k = state_v_first ? torch::empty({N, H, K, V}, opts) : *dh0;
 
   KdaBwdParams p{};
   p.B = (int)B;
   p.T = (int)T;
   p.H = (int)H;
   p.D = (int)K;
+  p.N = (int)N;
+  p.cu_seqlens = packed ? cu_seqlens->data_ptr<int32_t>() : nullptr;
   p.NT = (int)NT;
   p.q = bptr(q);
   p.k = bptr(k);
@@ -528,12 +552,12 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.beta = bptr(beta);
   p.A_log = A_log.data_ptr<float>();
   p.dt_bias = dt_bias.data_ptr<float>();
-  p.h0 = present(h0) ? h0->data_ptr<float>() : nullptr;
+  p.h0 = present(h0) ? h0_k.data_ptr<float>() : nullptr;
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
   p.gate_id = (int)gate_id;
   p.dout = dout.data_ptr<float>();
-  p.dht = present(dht) ? dht->data_ptr<float>() : nullptr;
+  p.dht = present(dht) ? dht_k.data_ptr<float>() : nullptr;
   p.qd = qd.data_ptr<float>();
   p.kr = kr.data_ptr<float>();
   p.w = w.data_ptr<float>();
@@ -550,28 +574,33 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.dg = dg.data_ptr<float>();
   p.dbeta = dbeta.data_ptr<float>();
   p.dAlog_part = dAlog_part.data_ptr<float>();
-  p.dh0 = present(dh0) ? dh0->data_ptr<float>() : nullptr;
+  p.dh0 = present(dh0) ? dh0_k.data_ptr<float>() : nullptr;
   kda_launch_log().clear();
   kda_check(kda_bwd_launch(p, stream), "kda backward");
+  if (present(dh0) && state_v_first) dh0->copy_(dh0_k.transpose(-1, -2));
   // the parameters' gradients: sums over batch and time (dg is also d/d(g + dt_bias))
   ddt_bias.copy_(dg.sum(at::IntArrayRef{0, 1}));
   dA_log.copy_(dAlog_part.sum(at::IntArrayRef{0, 1}));
   return {qd, kr, w, u, Aqk, el, states, dstates, vcorr, dvcorr, dAlog_part};
 }
 
+// bwd(...): common/extrun.py's signature, and for a varlen call the forward's cu_seqlens, max_seqlen,
+// seq_lens (ignored: the backward has no hybrid) and state_v_first by name.
 void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
              torch::Tensor A_log, torch::Tensor dt_bias, OptTensor h0, double scale, int64_t gate_id,
              double lower_bound, int64_t chunk_size, torch::Tensor dout, OptTensor dht, torch::Tensor dq,
              torch::Tensor dk, torch::Tensor dv, torch::Tensor dg, torch::Tensor dbeta, torch::Tensor dA_log,
-             torch::Tensor ddt_bias, OptTensor dh0, OptTensor prof) {
+             torch::Tensor ddt_bias, OptTensor dh0, OptTensor prof, OptTensor cu_seqlens, int64_t max_seqlen,
+             std::vector<int64_t> seq_lens, bool state_v_first) {
   (void)prof;  // the backward has no profile regions
+  (void)seq_lens;
   bwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, dout, dht, dq, dk, dv,
-           dg, dbeta, dA_log, ddt_bias, dh0);
+           dg, dbeta, dA_log, ddt_bias, dh0, cu_seqlens, max_seqlen, state_v_first);
 }
 
-// The backward's workspace after a call, for the tests that check each kernel against
-// common/backward_model.py: qd, kr, w [BH NT, 16, K], u [.., 16, V], Aqk [.., 16, 16], el [.., K],
-// states, dstates [.., K, V], vcorr, dvcorr [.., 16, V], dAlog_part [B, T, H].
+// The backward's workspace after a call, for the checks of each kernel against
+// common/backward_model.py: qd, kr, w [N H NT, 16, K], u [.., 16, V], Aqk [.., 16, 16], el [.., K],
+// states, dstates [.., K, V], vcorr, dvcorr [.., 16, V], dAlog_part [B, T, H] (plain sequences).
 std::vector<torch::Tensor> kda_bwd_workspace(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                              torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias,
                                              OptTensor h0, double scale, int64_t gate_id, double lower_bound,
@@ -583,7 +612,7 @@ std::vector<torch::Tensor> kda_bwd_workspace(torch::Tensor q, torch::Tensor k, t
   OptTensor dh0;
   if (present(h0)) dh0 = torch::empty(h0->sizes(), f);
   return bwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, kChunk, dout, dht, dq, dk, dv,
-                  dg, dbeta, dA_log, ddt_bias, dh0);
+                  dg, dbeta, dA_log, ddt_bias, dh0, c10::nullopt, 0, false);
 }
 
 // out = A @ bf16(X) through the accumulator -> B-fragment transpose (kda.h).
@@ -619,7 +648,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"), py::arg("dt_bias"), py::arg("h0"),
         py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"), py::arg("chunk_size"), py::arg("do"),
         py::arg("dht"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("dg"), py::arg("dbeta"),
-        py::arg("dA_log"), py::arg("ddt_bias"), py::arg("dh0"), py::arg("prof"));
+        py::arg("dA_log"), py::arg("ddt_bias"), py::arg("dh0"), py::arg("prof"), py::arg("cu_seqlens") = py::none(),
+        py::arg("max_seqlen") = 0, py::arg("seq_lens") = std::vector<int64_t>{}, py::arg("state_v_first") = false);
   m.def("bwd_workspace", &kda_bwd_workspace, "the backward's workspace after a call (tests)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"), py::arg("dt_bias"),
         py::arg("h0"), py::arg("scale"), py::arg("gate_id"), py::arg("lower_bound"), py::arg("do"), py::arg("dht"));

@@ -3,7 +3,7 @@
 // (tests/test_backward_emu.py). The same source as the GPU build, launched in the same order with the
 // same grids, threads and shared memory as kda.cu's bwd::launch_all.
 //
-// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?) -> [dq, dk, dv,
+// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?, cu_seqlens?) -> [dq, dk, dv,
 // dg, dbeta, dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk, el, states, dstates, vcorr, dvcorr], CPU
 // tensors, inputs as the GPU binding takes them (bf16 q, k, v, g, beta; fp32 the rest).
 #include "kda_emu.h"
@@ -26,7 +26,7 @@ using namespace kda_stage::bwd;
 
 template <int D>
 void launch_all(const KdaBwdParams& p) {
-  const unsigned chunks = p.B * p.H * p.NT, chains = p.B * p.H * (D / kVTile);
+  const unsigned chunks = p.N * p.H * p.NT, chains = p.N * p.H * (D / kVTile);
   kda_emu::launch(chunks, kPrepThreads, sizeof(ChunkSmem<D>), [&] { kda_bwd_prepare_kernel<D>(p); });
   kda_emu::launch(2 * chains, kVTile * kChainWarps, sizeof(ChainSmem<D>), [&] { kda_bwd_chains_kernel<D>(p); });
   kda_emu::launch(chunks, kAdjThreads, sizeof(AdjSmem<D>), [&] { kda_bwd_adjoint_kernel<D>(p); });
@@ -44,15 +44,25 @@ const float* f32(const torch::Tensor& t) {
 std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                    torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias,
                                    c10::optional<torch::Tensor> h0, double scale, int64_t gate_id, double lower_bound,
-                                   torch::Tensor dout, c10::optional<torch::Tensor> dht) {
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), NT = (T + 15) / 16;
+                                   torch::Tensor dout, c10::optional<torch::Tensor> dht,
+                                   c10::optional<torch::Tensor> cu_seqlens) {
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  int64_t N = B, max_len = T;
+  if (cu_seqlens.has_value()) {
+    TORCH_CHECK(cu_seqlens->scalar_type() == torch::kInt32 && cu_seqlens->is_contiguous() && B == 1, "int32 cu_seqlens, B = 1");
+    N = cu_seqlens->size(0) - 1;
+    max_len = 1;
+    for (int64_t i = 0; i < N; ++i)
+      max_len = std::max<int64_t>(max_len, cu_seqlens->data_ptr<int32_t>()[i + 1] - cu_seqlens->data_ptr<int32_t>()[i]);
+  }
+  const int64_t NT = (max_len + 15) / 16;
   TORCH_CHECK(D == 64 || D == 128, "D must be 64 or 128");
   const auto o = torch::TensorOptions().dtype(torch::kFloat32);
   auto nan = [&](std::vector<int64_t> shape) { return torch::full(shape, NAN, o); };  // poisoned: all written?
-  const int64_t S = B * H * NT;
+  const int64_t S = N * H * NT;
   torch::Tensor dq = nan({B, T, H, D}), dk = nan({B, T, H, D}), dv = nan({B, T, H, D}), dg = nan({B, T, H, D});
   torch::Tensor dbeta = nan({B, T, H}), dal = nan({B, T, H});
-  torch::Tensor dh0 = h0.has_value() ? nan({B, H, D, D}) : torch::Tensor();
+  torch::Tensor dh0 = h0.has_value() ? nan({N, H, D, D}) : torch::Tensor();
   torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D}), u = nan({S, 16, D});
   torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D}), st = nan({S, D, D}), dst = nan({S, D, D});
   torch::Tensor vc = nan({S, 16, D}), dvc = nan({S, 16, D});
@@ -61,6 +71,8 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.T = (int)T;
   p.H = (int)H;
   p.D = (int)D;
+  p.N = (int)N;
+  p.cu_seqlens = cu_seqlens.has_value() ? cu_seqlens->data_ptr<int32_t>() : nullptr;
   p.NT = (int)NT;
   p.q = bf(q);
   p.k = bf(k);

@@ -283,7 +283,7 @@ cudaError_t launch_one(const char* name, Kernel* kernel, long long blocks, int t
 
 template <int D>
 cudaError_t launch_all(const KdaBwdParams& p, cudaStream_t stream) {
-  const long long chunks = (long long)p.B * p.H * p.NT, chains = (long long)p.B * p.H * (D / kVTile);
+  const long long chunks = (long long)p.N * p.H * p.NT, chains = (long long)p.N * p.H * (D / kVTile);
   KDA_RETURN_IF_ERROR((launch_one<D, ChunkSmem<D>>("kda_bwd_prepare_kernel", kda_bwd_prepare_kernel<D>, chunks,
                                                    kPrepThreads, p, stream)));
   KDA_RETURN_IF_ERROR((launch_one<D, ChainSmem<D>>("kda_bwd_chains_kernel", kda_bwd_chains_kernel<D>, 2 * chains,
@@ -296,7 +296,10 @@ cudaError_t launch_all(const KdaBwdParams& p, cudaStream_t stream) {
 }  // namespace kda_stage
 
 cudaError_t kda_bwd_launch(const KdaBwdParams& p, cudaStream_t stream) {
-  if (p.B < 1 || p.T < 1 || p.H < 1 || p.NT != (p.T + kda_stage::BT - 1) / kda_stage::BT) return cudaErrorInvalidValue;
+  const int nt_max = (p.T + kda_stage::BT - 1) / kda_stage::BT;
+  if (p.B < 1 || p.T < 1 || p.H < 1 || p.N < 1) return cudaErrorInvalidValue;
+  if (p.cu_seqlens == nullptr ? (p.N != p.B || p.NT != nt_max) : (p.B != 1 || p.NT < 1 || p.NT > nt_max))
+    return cudaErrorInvalidValue;
   if (p.gate_id != KDA_GATE_SOFTPLUS && p.gate_id != KDA_GATE_BOUNDED) return cudaErrorInvalidValue;
   if (p.D == 64) return kda_stage::bwd::launch_all<64>(p, stream);
   if (p.D == 128) return kda_stage::bwd::launch_all<128>(p, stream);

@@ -178,21 +178,24 @@ cudaError_t kda_frag_check_launch(const __nv_bfloat16* A, const float* X, float*
 
 // ---------------------------------------------------------------------------
 // The backward (backward.cuh): four kernels, every product fp32, every decay pair by pair.
-// Plain sequences only (no cu_seqlens), the state [B, H, K, V], K = V in {64, 128}, the raw
-// gates 0 (softplus) and 1 (bounded), q and k L2-normalised and beta = sigmoid(beta) here.
+// N sequences as the forward takes them (batch rows, or packed with cu_seqlens and B = 1), the state
+// [N, H, K, V] (the binding turns a V-first state around), K = V in {64, 128}, the raw gates 0
+// (softplus) and 1 (bounded), q and k L2-normalised and beta = sigmoid(beta) here.
 // ---------------------------------------------------------------------------
 struct KdaBwdParams {
   int B, T, H, D;  // D = K = V
-  int NT;          // ceil(T / 16)
+  int N;           // sequences: B, or cu_seqlens' N
+  const int* cu_seqlens;  // [N + 1] token offsets (B = 1), or nullptr
+  int NT;          // ceil(longest sequence / 16): the workspace's chunks per (sequence, head)
   const __nv_bfloat16 *q, *k, *v, *g, *beta;  // the forward's inputs ([B, T, H, *], raw)
   const float* A_log;    // [H]
   const float* dt_bias;  // [H, K]
-  const float* h0;       // [B, H, K, V] or nullptr
+  const float* h0;       // [N, H, K, V] or nullptr
   float scale, lower_bound;
   int gate_id;           // KDA_GATE_SOFTPLUS or KDA_GATE_BOUNDED
   const float* dout;     // [B, T, H, V] fp32, the gradient of o
-  const float* dht;      // [B, H, K, V] fp32, the gradient of the final state, or nullptr
-  // ---- workspace, one slot per chunk [B H, NT, ...], fp32 ----
+  const float* dht;      // [N, H, K, V] fp32, the gradient of the final state, or nullptr
+  // ---- workspace, one slot per chunk [N H, NT, ...], fp32 ----
   float *qd, *kr, *w;    // [.., 16, K]
   float* u;              // [.., 16, V]
   float* Aqk;            // [.., 16, 16]
@@ -203,7 +206,7 @@ struct KdaBwdParams {
   float *dq, *dk, *dv, *dg;  // [B, T, H, *]; dg is the gradient of g (and, summed, of dt_bias)
   float* dbeta;              // [B, T, H]
   float* dAlog_part;         // [B, T, H]  each token's share of dA_log
-  float* dh0;                // [B, H, K, V] or nullptr
+  float* dh0;                // [N, H, K, V] or nullptr
 };
 
 // B1 prepare, B2 states, B3 reverse, B4 adjoint on `stream`; cudaErrorInvalidValue for sizes or a

@@ -6,8 +6,8 @@ again keeping each chunk's entry state, the reverse chain of the state's gradien
 chunk to the first (serial), and each chunk's gradients from those (parallel), through the
 pre-stage to the raw inputs. This first version is fp32 on the CUDA cores, every decay taken pair
 by pair (exp(gc_c - gc_i) <= 1), so no gate overflows; it is the reference the tensor-core
-backward is checked against. Plain sequences and the state [B, H, K, V] only: a training call
-with cu_seqlens or state_v_first is refused before any kernel runs.
+backward is checked against. It takes what the forward takes: packed sequences (cu_seqlens) and
+the state in either layout.
 """
 
 from pathlib import Path
@@ -92,10 +92,11 @@ def build_emulator(verbose=False):
 
 
 def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
-                     lower_bound=None, do, dht=None) -> dict:
+                     lower_bound=None, do, dht=None, cu_seqlens=None) -> dict:
     """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
     gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
-    el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call."""
+    el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call. ``cu_seqlens``: packed
+    sequences (B = 1), the states then [N, H, K, V]."""
     from common.contract import check_gate
 
     gate, gate_id, lb = check_gate(gate, lower_bound)
@@ -104,7 +105,8 @@ def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, sc
     out = build_emulator().bwd(bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias),
                                None if initial_state is None else f32(initial_state),
                                float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do),
-                               None if dht is None else f32(dht))
+                               None if dht is None else f32(dht),
+                               None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
     dq, dk, dv, dg, dbeta, dal, dh0 = out[:7]
     grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=dg.sum((0, 1)),
                  initial_state=dh0 if initial_state is not None else None)
@@ -137,11 +139,6 @@ def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
                 lower_bound=lower_bound, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 state_v_first=state_v_first)
     _check_pairwise(pin, c)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)):
-        if cu_seqlens is not None or state_v_first:
-            raise ValueError("stage 13's backward takes plain sequences and the state [B, H, K, V]: with "
-                             "cu_seqlens or state_v_first=True, call it without gradients (torch.no_grad())")
     return extrun.run(build(), SPEC, c, path=pin)
 
 
