@@ -3,13 +3,16 @@
 # scripts/check_backward.py (quick cases, against fp64, stage 12's forward bits and stage 04's backward),
 # then the backward's time at two shapes (scripts/bench_backward.py), then, with the time left, the full case list.
 # Results: $OUT/bwd_quick.json, $OUT/bwd_speed.json, $OUT/bwd_full.json, $OUT/log.txt.
-# Device command: KDALAB_COMMIT=<commit> bash scripts/stage13_call.sh   (carry .whl for --fla: FLA_BWD=1)
+# Device command: KDALAB_COMMIT=<commit> bash scripts/stage13_call.sh   (carry .whl: nvidia-cutlass, and fla-core and
+# einops for FLA_BWD=1)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 KDALAB_BUILD=/tmp/kb OUT=${OUT:-/tmp/kdalab-out}
 mkdir -p $OUT; t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
 log "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 [ -d stages/13_backward ] || cp -r next/13_backward stages/  # on its way into the ladder: a stage here (this copy only)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass*.whl \
+  && export PYTHONPATH=$PYTHONPATH:/tmp/site  # the CuTe headers of stages 12 and 13
 if [ "${FLA_BWD:-0}" = 1 ] && ls .whl/fla_core*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla_core*.whl .whl/einops*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site_fla; FLA=--fla
