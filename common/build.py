@@ -290,6 +290,10 @@ def load_extension(stage_dir, stage_name: str, sources, *, cuda: bool = False, p
                     with_cuda=cuda,
                 )
         except RuntimeError as e:
+            # torch rebuilds a name it has seen in this process only when a source file or a flag changed, not a
+            # header: forget it, so that the next call builds again (and fails again) instead of importing the
+            # last module that did build
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
             if "Error building extension" in str(e):
                 raise CompileError(name, str(e)) from None
             raise

@@ -245,3 +245,28 @@ def test_build_progress_reaches_the_terminal_under_pytest():
     finally:
         build.set_progress(old)
     assert shown == [("[kdalab] kda_02: still compiling (15 s)", True)]
+
+
+def test_a_build_that_fails_fails_again_in_the_same_process(tmp_path, monkeypatch):
+    """torch rebuilds an extension name it has seen in this process only when a source file or a flag changed,
+    not a header. A header that stops compiling must fail every call, not only the first, which would let a
+    later call import the last module that built (a check passing on yesterday's code)."""
+    import sys
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(build, "BUILD_DIR", tmp_path / "build")
+    src = tmp_path / "ext"
+    src.mkdir()
+    (src / "h.h").write_text("inline int f() { return 1; }\n")
+    (src / "m.cpp").write_text('#include "h.h"\n#include <torch/extension.h>\nint g() { return f(); }\n'
+                               'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("g", &g); }\n')
+    name = build.extension_name("hdr_check", False, None)
+    args = dict(quiet=True, extra_cflags=["-Wfatal-errors"])
+    assert build.load_extension(src, "hdr_check", ["m.cpp"], **args).g() == 1
+    (src / "h.h").write_text("inline int f() { return not C++; }\n")
+    for cache in (build._LOADED, cpp_extension.JIT_EXTENSION_VERSIONER.entries, sys.modules):
+        cache.pop(name, None)  # as a new process finds them, the module that built still on disk
+    for _ in range(2):
+        with pytest.raises(build.CompileError):
+            build.load_extension(src, "hdr_check", ["m.cpp"], **args)
