@@ -1,6 +1,6 @@
 """Stage 13's backward (next/13_backward, on its way into the ladder), checked on a machine without a GPU.
 
-The CUDA source of its four kernels runs on the CPU under common/include/kda_emu.h (a std::thread per CUDA
+The CUDA source of its four kernels runs on the CPU under kda_emu.h (a std::thread per CUDA
 thread, barriers for __syncthreads and the shuffles), with the GPU build's grids, threads and shared memory:
 every gradient must match autograd through the fp64 token loop at fp32 round-off, and each kernel's output the
 fp64 model of common/backward_model.py. A kernel that reads the wrong row, skips a barrier's partner or drops

@@ -20,7 +20,7 @@
 // launch runs both (kda_bwd_chains_kernel), side by side on different SMs.
 #pragma once
 
-#ifndef KDA_DYNAMIC_SMEM  // common/include/kda_emu.h, which runs these kernels on the CPU, has its own
+#ifndef KDA_DYNAMIC_SMEM  // kda_emu.h, which runs these kernels on the CPU, has its own
 #define KDA_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -354,21 +354,32 @@ __global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_chains_kernel(co
 // ---------------------------------------------------------------------------
 // B4: the chunk adjoint
 // ---------------------------------------------------------------------------
+constexpr int kSTile = 16;  // columns of S and dS per tile in B4
+
+// B4's shared memory, about 112 KB at K = V = 128 so that two blocks share an SM: three phases reuse one
+// area (`ph`): the tiles of S and dS for the products with them, then kd for dAf, then the pair phase's results.
 template <int D>
 struct AdjSmem {
   ChunkSmem<D> ch;
   float dout[BT][D], vc[BT][D], dvc[BT][D];  // do, vcorr, dvcorr (V = D columns)
   float dqd[BT][D], dkr[BT][D], dw[BT][D];   // the gradients of the chain operands
-  float dq[BT][D], dk[BT][D];                // of the normalised q, k
-  float dal[BT][D];                          // da * da/dA_log, summed over d per token
-  float dgl[D];                              // the gradient of glast through the state's decay
-  float tS[D][kVTile + 1], tdS[D][kVTile + 1];  // a 32-column tile of S and of dS
+  union {
+    struct {
+      float S[D][kSTile + 1], dS[D][kSTile + 1];  // a 16-column tile of S and of dS
+    } tile;
+    float kd[BT][D];  // k e^gc, w's right operand
+    struct {
+      float dq[BT][D], dk[BT][D];  // of the normalised q, k
+      float dal[BT][D];            // da * da/dA_log, summed over d per token
+    } g;
+  } ph;
+  float dgl[D];  // the gradient of glast through the state's decay
   float dAqk[BT][BT + 1], dAf[BT][BT + 1], T1[BT][BT + 1], dL[BT][BT + 1];
   float db[BT];
 };
 
 template <int D>
-__global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
+__global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
   AdjSmem<D>& s = *reinterpret_cast<AdjSmem<D>*>(smem_raw);
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
@@ -394,16 +405,16 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
   for (int m = 0; m < BT / G; ++m) aq[m] = aw[m] = ar[m] = 0.f;
   const float* S = p.states + slot * D * D;
   const float* dS = p.dstates + slot * D * D;
-  for (int j0 = 0; j0 < D; j0 += kVTile) {
+  for (int j0 = 0; j0 < D; j0 += kSTile) {
     __syncthreads();
-    for (int idx = tid; idx < D * kVTile; idx += kAdjThreads) {
-      const int r = idx / kVTile, jj = idx % kVTile;
-      s.tS[r][jj] = S[(size_t)r * D + j0 + jj];
-      s.tdS[r][jj] = dS[(size_t)r * D + j0 + jj];
+    for (int idx = tid; idx < D * kSTile; idx += kAdjThreads) {
+      const int r = idx / kSTile, jj = idx % kSTile;
+      s.ph.tile.S[r][jj] = S[(size_t)r * D + j0 + jj];
+      s.ph.tile.dS[r][jj] = dS[(size_t)r * D + j0 + jj];
     }
     __syncthreads();
-    for (int jj = 0; jj < kVTile; ++jj) {
-      const float sv = s.tS[d][jj], dsv = s.tdS[d][jj];
+    for (int jj = 0; jj < kSTile; ++jj) {
+      const float sv = s.ph.tile.S[d][jj], dsv = s.ph.tile.dS[d][jj];
       agl += sv * dsv;
 #pragma unroll
       for (int m = 0; m < BT / G; ++m) {
@@ -422,6 +433,11 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
     s.dkr[c][d] = ar[m];
   }
   if (grp == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * agl;
+  __syncthreads();  // the tiles are done with: kd takes their place
+  for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
+    const int c = idx / D, e = idx % D;
+    s.ph.kd[c][e] = ch.k[c][e] * expf(ch.gc[c][e]);
+  }
   __syncthreads();
   // dAqk = lower_incl(do vcorr^T); dAf = dw kd^T + du v^T (du = dvcorr), on i <= c
   for (int pr = tid; pr < BT * BT; pr += kAdjThreads) {
@@ -430,7 +446,7 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
     if (i <= c) {
       for (int e = 0; e < D; ++e) {
         qa += s.dout[c][e] * s.vc[i][e];
-        fa += s.dw[c][e] * ch.k[i][e] * expf(ch.gc[i][e]) + s.dvc[c][e] * ch.v[i][e];
+        fa += s.dw[c][e] * s.ph.kd[i][e] + s.dvc[c][e] * ch.v[i][e];
       }
     }
     s.dAqk[c][i] = qa;
@@ -527,9 +543,9 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
         dal = acc * dadlog;
         p.dg[row * D + e] = dgx;
       }
-      s.dal[c][e] = dal;
-      s.dq[c][e] = dq[c];
-      s.dk[c][e] = dk[c];
+      s.ph.g.dal[c][e] = dal;
+      s.ph.g.dq[c][e] = dq[c];
+      s.ph.g.dk[c][e] = dk[c];
     }
   }
   __syncthreads();
@@ -546,9 +562,9 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
   for (int c = warp; c < len; c += kAdjThreads / 32) {
     float xq = 0.f, xk = 0.f, al = 0.f;
     for (int e = lane; e < D; e += 32) {
-      xq += ch.q[c][e] * s.dq[c][e];
-      xk += ch.k[c][e] * s.dk[c][e];
-      al += s.dal[c][e];
+      xq += ch.q[c][e] * s.ph.g.dq[c][e];
+      xk += ch.k[c][e] * s.ph.g.dk[c][e];
+      al += s.ph.g.dal[c][e];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -558,8 +574,8 @@ __global__ void __launch_bounds__(kAdjThreads) kda_bwd_adjoint_kernel(const KdaB
     }
     const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
     for (int e = lane; e < D; e += 32) {
-      p.dq[row * D + e] = (s.dq[c][e] - ch.q[c][e] * xq) / ch.rq[c];
-      p.dk[row * D + e] = (s.dk[c][e] - ch.k[c][e] * xk) / ch.rk[c];
+      p.dq[row * D + e] = (s.ph.g.dq[c][e] - ch.q[c][e] * xq) / ch.rq[c];
+      p.dk[row * D + e] = (s.ph.g.dk[c][e] - ch.k[c][e] * xk) / ch.rk[c];
     }
     if (lane == 0) {
       const float sb = ch.beta[c];

@@ -1,4 +1,4 @@
-// emu.cpp -- the backward's kernels (backward.cuh) run on the CPU by common/include/kda_emu.h, so that
+// emu.cpp -- the backward's kernels (backward.cuh) run on the CPU by kda_emu.h, so that
 // a machine without a GPU checks their indexing and synchronisation against common/backward_model.py
 // (tests/test_backward_emu.py). The same source as the GPU build, launched in the same order with the
 // same grids, threads and shared memory as kda.cu's bwd::launch_all.

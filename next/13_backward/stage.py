@@ -80,7 +80,7 @@ CUDA_FLAGS = [
 
 
 def build_emulator(verbose=False):
-    """The backward's kernels compiled for the CPU (emu.cpp through common/include/kda_emu.h: a std::thread per
+    """The backward's kernels compiled for the CPU (emu.cpp through kda_emu.h: a std::thread per
     CUDA thread), so that a machine without a GPU runs their source; a C++ compiler and the CUDA headers only."""
     from common.build import setup_cuda_home
 
