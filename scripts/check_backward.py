@@ -4,8 +4,9 @@ shorter than a chunk, B > 1 with h0 and a tail at both head sizes). For each cas
 error against fp64 (common.checks.check_case: o and S also against the previous stage, which
 must be bitwise where the stage declares it), against stage 04's fp32 backward on the same
 inputs, and, with --fla, FLA's own error on the same inputs and the ratio of the two (FLA's
-measure: RMS of the difference over RMS of the reference, common.metrics.rel_err). Rows are
-saved after every case. (GPU.)
+measure: RMS of the difference over RMS of the reference, common.metrics.rel_err). Also packed sequences
+(cu_seqlens, one empty, one shorter than a chunk; the state in either layout) against each sequence alone.
+Rows are saved after every case. (GPU.)
 
     python scripts/check_backward.py --stage 13 --quick --out $OUT/bwd_quick.json
 """
@@ -132,6 +133,38 @@ def kernel_rows(stage, case: Case) -> dict:
     return out
 
 
+def packed_rows(stage, gate: str, lb=None, lens=(7, 0, 20, 33, 300), H=2, K=64, v_first=False) -> dict:
+    """Packed sequences (cu_seqlens) through the stage's autograd on the GPU, each with its own h0, against
+    autograd through the fp64 token loop on each sequence alone: rel_err per gradient."""
+    from common.inputs import make_inputs
+    from common.reference import kda_reference
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    N, T = len(lens), sum(lens)
+    kw = make_inputs(1, T, H, K, K, seed=9, dtype=torch.bfloat16, gate=gate, lower_bound=lb, h0=False, chunk_size=16)
+    kw["initial_state"] = torch.randn(N, H, K, K, generator=torch.Generator().manual_seed(10)) / 8
+    do, dht = make_cotangents((1, T, H, K), (N, H, K, K), seed=11)
+    dev = {n: kw[n].cuda().requires_grad_() for n in names}
+    h0 = dev["initial_state"].transpose(-1, -2) if v_first else dev["initial_state"]
+    o, S = stage.forward(*(dev[n] for n in ("q", "k", "v", "g", "beta")), A_log=dev["A_log"], dt_bias=dev["dt_bias"],
+                         initial_state=h0, gate=gate, lower_bound=lb, cu_seqlens=cu.cuda(), state_v_first=v_first)
+    S = S.transpose(-1, -2) if v_first else S
+    torch.autograd.backward((o, S), (do.cuda().to(o.dtype), dht.cuda()))
+    ref = {n: kw[n].double().requires_grad_() for n in names}
+    loss = 0.0
+    for i in range(N):
+        s0, s1 = int(cu[i]), int(cu[i + 1])
+        if s1 == s0:
+            loss = loss + (ref["initial_state"][i:i + 1] * dht[i:i + 1].double()).sum()
+            continue
+        oi, Si = kda_reference(**{n: ref[n][:, s0:s1] for n in ("q", "k", "v", "g", "beta")}, A_log=ref["A_log"],
+                               dt_bias=ref["dt_bias"], initial_state=ref["initial_state"][i:i + 1], gate=gate,
+                               lower_bound=lb, scale=K ** -0.5)
+        loss = loss + (oi * do[:, s0:s1].double()).sum() + (Si * dht[i:i + 1].double()).sum()
+    loss.backward()
+    return {"d" + n: rel_err(dev[n].grad, ref[n].grad) for n in names}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stage", default="13")
@@ -157,6 +190,15 @@ def main(argv=None):
                 rec["errors"]["kernels " + case.id] = f"{type(e).__name__}: {e}"
                 print(f"kernels {case.id}: {type(e).__name__}: {e}", flush=True)
         out.write_text(json.dumps(rec, indent=1, default=str))
+    rec["packed"] = {}
+    for gate, lb, vf in (("softplus", None, False), ("bounded", -3.0, True)):
+        key = f"{gate}{'' if lb is None else lb}{'-vfirst' if vf else ''}"
+        try:
+            rec["packed"][key] = packed_rows(stage, gate, lb, v_first=vf)
+            print(f"packed {key}: " + ", ".join(f"{n} {e:.1e}" for n, e in rec["packed"][key].items()), flush=True)
+        except Exception as e:  # noqa: BLE001
+            rec["errors"]["packed " + key] = f"{type(e).__name__}: {e}"
+            print(f"packed {key}: {type(e).__name__}: {e}", flush=True)
     for case in cases(args.quick):
         try:
             rows = checks.check_case(stage, case, backward=True)
