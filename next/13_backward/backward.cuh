@@ -203,19 +203,52 @@ __global__ void __launch_bounds__(kPrepThreads) kda_bwd_prepare_kernel(const Kda
 // B2, B3: the two chains. Chain block (bh, tile): lane j holds value column tile * 32 + j, warp w the
 // key rows [w D / 4, (w + 1) D / 4) of it, in registers.
 // ---------------------------------------------------------------------------
+// One chunk's operands of a chain in shared memory; the chains keep two, the next chunk's copied in with
+// cp.async while the current one is worked on.
 template <int D>
-struct ChainSmem {
+struct ChainOps {
   float a[BT][D], b[BT][D], c[BT][D];  // the chunk's three [16, K] operands
   float el[D];
   float aqk[BT][BT];
-  float e[BT][kVTile];                  // u (B2) or do (B3), this block's columns
+  float e[BT][kVTile];  // u (B2) or do (B3), this block's columns
+};
+
+template <int D>
+struct ChainSmem {
+  ChainOps<D> ops[2];
   float part[kChainWarps][BT][kVTile];  // partial sums over each warp's key rows
   float x[BT][kVTile];                  // vcorr (B2) or dvcorr (B3)
 };
 
+// 16 bytes from global to shared memory without the registers (cp.async; the emulator copies at once), zeros
+// where `valid` is false (src is then not read).
+__device__ __forceinline__ void copy16(float* dst, const float* src, bool valid = true) {
+#ifdef KDA_EMULATED
+  if (valid)
+    memcpy(dst, src, 16);
+  else
+    memset(dst, 0, 16);
+#else
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void copies_issued() {
+#ifndef KDA_EMULATED
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+__device__ __forceinline__ void copies_arrived() {
+#ifndef KDA_EMULATED
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+constexpr int kChainThreads = kVTile * kChainWarps;
+
 template <int D>
-__device__ __forceinline__ void load_rows(const float* src, float (&dst)[BT][D]) {
-  for (int idx = threadIdx.x; idx < BT * D; idx += kVTile * kChainWarps) dst[idx / D][idx % D] = src[idx];
+__device__ __forceinline__ void copy_rows(const float* src, float (&dst)[BT][D]) {
+  for (int v = threadIdx.x; v < BT * D / 4; v += kChainThreads) copy16(&dst[0][0] + 4 * v, src + 4 * v);
 }
 
 // This thread's slice of a [K, V] state of pair bh (fp32, row-major), rows r0 .. r0 + D / 4 - 1, column col.
@@ -224,26 +257,54 @@ __device__ __forceinline__ size_t state_at(int bh, int row, int col) {
   return ((size_t)bh * D + row) * D + col;
 }
 
+// B2's operands of chunk `slot` (w, kr, el, u's 32 columns from col0) into `o`.
+template <int D>
+__device__ void issue_states(const KdaBwdParams& p, ChainOps<D>& o, size_t slot, int col0) {
+  copy_rows<D>(p.w + slot * BT * D, o.a);
+  copy_rows<D>(p.kr + slot * BT * D, o.b);
+  for (int v = threadIdx.x; v < D / 4; v += kChainThreads) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
+  for (int v = threadIdx.x; v < BT * kVTile / 4; v += kChainThreads) {
+    const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
+    copy16(&o.e[c][j], p.u + (slot * BT + c) * D + col0 + j);
+  }
+  copies_issued();
+}
+
+// B3's operands of chunk n of the sequence (kr, qd, w, el, Aqk, do's 32 columns from col0, zero past its end).
+template <int D>
+__device__ void issue_reverse(const KdaBwdParams& p, ChainOps<D>& o, size_t slot, const Span& sq, int h, int n,
+                              int col0) {
+  copy_rows<D>(p.kr + slot * BT * D, o.a);
+  copy_rows<D>(p.qd + slot * BT * D, o.b);
+  copy_rows<D>(p.w + slot * BT * D, o.c);
+  for (int v = threadIdx.x; v < D / 4; v += kChainThreads) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
+  for (int v = threadIdx.x; v < BT * BT / 4; v += kChainThreads) copy16(&o.aqk[0][0] + 4 * v, p.Aqk + slot * BT * BT + 4 * v);
+  const int t0 = n * BT, len = min(BT, sq.len - t0);
+  for (int v = threadIdx.x; v < BT * kVTile / 4; v += kChainThreads) {
+    const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
+    const bool real = c < len;
+    copy16(&o.e[c][j], real ? p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + j : p.dout, real);
+  }
+  copies_issued();
+}
+
 template <int D>
 __device__ void states_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) {
   constexpr int R = D / kChainWarps;
   const int tiles = D / kVTile;
-  const int bh = block / tiles, col = (block % tiles) * kVTile + (threadIdx.x & 31);
+  const int bh = block / tiles, col0 = (block % tiles) * kVTile, j = threadIdx.x & 31, col = col0 + j;
   const int warp = threadIdx.x >> 5, r0 = warp * R, tid = threadIdx.x;
   float S[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = p.h0 != nullptr ? p.h0[state_at<D>(bh, r0 + r, col)] : 0.f;
   const int nt = (span_of(p, bh / p.H).len + BT - 1) / BT;  // this sequence's chunks
+  if (nt > 0) issue_states<D>(p, s.ops[0], chunk_slot(p, bh, 0), col0);
   for (int n = 0; n < nt; ++n) {
     const size_t slot = chunk_slot(p, bh, n);
-    load_rows<D>(p.w + slot * BT * D, s.a);
-    load_rows<D>(p.kr + slot * BT * D, s.b);
-    for (int i = tid; i < D; i += kVTile * kChainWarps) s.el[i] = p.el[slot * D + i];
-    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
-      const int c = idx / kVTile, j = idx % kVTile;
-      s.e[c][j] = p.u[(slot * BT + c) * D + (col - (threadIdx.x & 31)) + j];
-    }
-    __syncthreads();
+    ChainOps<D>& o = s.ops[n & 1];
+    copies_arrived();
+    __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n - 1) is done
+    if (n + 1 < nt) issue_states<D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
     float* st = p.states + slot * D * D;
 #pragma unroll
     for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = S[r];
@@ -251,29 +312,27 @@ __device__ void states_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) 
     for (int c = 0; c < BT; ++c) {
       float acc = 0.f;
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc += s.a[c][r0 + r] * S[r];
-      s.part[warp][c][threadIdx.x & 31] = acc;
+      for (int r = 0; r < R; ++r) acc += o.a[c][r0 + r] * S[r];
+      s.part[warp][c][j] = acc;
     }
     __syncthreads();
-    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
-      const int c = idx / kVTile, j = idx % kVTile;
+    for (int idx = tid; idx < BT * kVTile; idx += kChainThreads) {
+      const int c = idx / kVTile, jj = idx % kVTile;
       float ws = 0.f;
 #pragma unroll
-      for (int w = 0; w < kChainWarps; ++w) ws += s.part[w][c][j];
-      const float vc = s.e[c][j] - ws;
-      s.x[c][j] = vc;
-      p.vcorr[(slot * BT + c) * D + (col - (threadIdx.x & 31)) + j] = vc;
+      for (int w = 0; w < kChainWarps; ++w) ws += s.part[w][c][jj];
+      const float vc = o.e[c][jj] - ws;
+      s.x[c][jj] = vc;
+      p.vcorr[(slot * BT + c) * D + col0 + jj] = vc;
     }
     __syncthreads();
-    const int j = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float acc = s.el[r0 + r] * S[r];
+      float acc = o.el[r0 + r] * S[r];
 #pragma unroll
-      for (int c = 0; c < BT; ++c) acc += s.b[c][r0 + r] * s.x[c][j];
+      for (int c = 0; c < BT; ++c) acc += o.b[c][r0 + r] * s.x[c][j];
       S[r] = acc;
     }
-    __syncthreads();
   }
 }
 
@@ -289,19 +348,13 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
   float dS[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) dS[r] = p.dht != nullptr ? p.dht[state_at<D>(bh, r0 + r, col)] : 0.f;
+  if (nt > 0) issue_reverse<D>(p, s.ops[(nt - 1) & 1], chunk_slot(p, bh, nt - 1), sq, h, nt - 1, col0);
   for (int n = nt - 1; n >= 0; --n) {
     const size_t slot = chunk_slot(p, bh, n);
-    const int t0 = n * BT, len = min(BT, sq.len - t0);
-    load_rows<D>(p.kr + slot * BT * D, s.a);
-    load_rows<D>(p.qd + slot * BT * D, s.b);
-    load_rows<D>(p.w + slot * BT * D, s.c);
-    for (int i = tid; i < D; i += kVTile * kChainWarps) s.el[i] = p.el[slot * D + i];
-    for (int i = tid; i < BT * BT; i += kVTile * kChainWarps) s.aqk[i / BT][i % BT] = p.Aqk[slot * BT * BT + i];
-    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
-      const int c = idx / kVTile, jj = idx % kVTile;
-      s.e[c][jj] = c < len ? p.dout[(((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + jj] : 0.f;
-    }
-    __syncthreads();
+    ChainOps<D>& o = s.ops[n & 1];
+    copies_arrived();
+    __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n + 1) is done
+    if (n > 0) issue_reverse<D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
     float* st = p.dstates + slot * D * D;
 #pragma unroll
     for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = dS[r];
@@ -309,28 +362,27 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
     for (int c = 0; c < BT; ++c) {
       float acc = 0.f;
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc += s.a[c][r0 + r] * dS[r];
+      for (int r = 0; r < R; ++r) acc += o.a[c][r0 + r] * dS[r];
       s.part[warp][c][j] = acc;
     }
     __syncthreads();
-    for (int idx = tid; idx < BT * kVTile; idx += kVTile * kChainWarps) {
+    for (int idx = tid; idx < BT * kVTile; idx += kChainThreads) {
       const int c = idx / kVTile, jj = idx % kVTile;
       float acc = 0.f;
 #pragma unroll
       for (int w = 0; w < kChainWarps; ++w) acc += s.part[w][c][jj];
-      for (int i = c; i < BT; ++i) acc += s.aqk[i][c] * s.e[i][jj];  // (Aqk^T do)[c]
+      for (int i = c; i < BT; ++i) acc += o.aqk[i][c] * o.e[i][jj];  // (Aqk^T do)[c]
       s.x[c][jj] = acc;
       p.dvcorr[(slot * BT + c) * D + col0 + jj] = acc;
     }
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float acc = s.el[r0 + r] * dS[r];
+      float acc = o.el[r0 + r] * dS[r];
 #pragma unroll
-      for (int c = 0; c < BT; ++c) acc += s.b[c][r0 + r] * s.e[c][j] - s.c[c][r0 + r] * s.x[c][j];
+      for (int c = 0; c < BT; ++c) acc += o.b[c][r0 + r] * o.e[c][j] - o.c[c][r0 + r] * s.x[c][j];
       dS[r] = acc;
     }
-    __syncthreads();
   }
   if (p.dh0 != nullptr) {
 #pragma unroll
@@ -341,7 +393,7 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
 // B2 and B3 need only B1's operands, not each other: one launch runs both chains side by side, its first
 // B H D / 32 blocks the forward chain, the rest the reverse chain, so that the two serial walks overlap.
 template <int D>
-__global__ void __launch_bounds__(kVTile * kChainWarps) kda_bwd_chains_kernel(const KdaBwdParams p) {
+__global__ void __launch_bounds__(kChainThreads) kda_bwd_chains_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
   ChainSmem<D>& s = *reinterpret_cast<ChainSmem<D>*>(smem_raw);
   const int chains = p.N * p.H * (D / kVTile);

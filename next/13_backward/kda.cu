@@ -287,7 +287,7 @@ cudaError_t launch_all(const KdaBwdParams& p, cudaStream_t stream) {
   KDA_RETURN_IF_ERROR((launch_one<D, ChunkSmem<D>>("kda_bwd_prepare_kernel", kda_bwd_prepare_kernel<D>, chunks,
                                                    kPrepThreads, p, stream)));
   KDA_RETURN_IF_ERROR((launch_one<D, ChainSmem<D>>("kda_bwd_chains_kernel", kda_bwd_chains_kernel<D>, 2 * chains,
-                                                   kVTile * kChainWarps, p, stream)));
+                                                   kChainThreads, p, stream)));
   return launch_one<D, AdjSmem<D>>("kda_bwd_adjoint_kernel", kda_bwd_adjoint_kernel<D>, chunks, kAdjThreads, p,
                                    stream);
 }

@@ -74,6 +74,7 @@ void launch(unsigned grid, unsigned threads, size_t smem_bytes, Kernel&& kernel)
 #define blockDim (kda_emu::block_dim)
 #define gridDim (kda_emu::grid_dim)
 #define KDA_DYNAMIC_SMEM(name) unsigned char* name = kda_emu::block->smem
+#define KDA_EMULATED 1  // kernels take their host forms of what has none here (cp.async: a copy at once)
 
 inline void __syncthreads() { kda_emu::block->block_barrier->arrive_and_wait(); }
 
