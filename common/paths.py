@@ -5,6 +5,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAGES_DIR = Path(os.environ.get("KDALAB_STAGES_DIR", REPO_ROOT / "stages"))  # a copy, for planted-bug tests
+NEXT_DIR = REPO_ROOT / "next"  # stages on their way into the ladder
 RESULTS_DIR = REPO_ROOT / "results"  # recorded figures, committed
 REPORTS_DIR = Path(os.environ.get("KDALAB_REPORTS", REPO_ROOT / "reports"))  # generated
 BUILD_DIR = Path(os.environ.get("KDALAB_BUILD", REPO_ROOT / "build"))  # extension builds

@@ -15,7 +15,7 @@ import sys
 import time
 
 from .build import import_module_from
-from .paths import REPO_ROOT, STAGES_DIR
+from .paths import NEXT_DIR, REPO_ROOT, STAGES_DIR
 from .results import recorded
 
 _STAGE_DIR = re.compile(r"^(\d\d)_[a-z0-9_]+$")
@@ -72,6 +72,18 @@ def load_stage(stage_id):
     mod = import_module_from(path, f"kdalab_stage_{sid}")
     _CACHE[sid] = mod
     return mod
+
+
+def load_next(name: str):
+    """Import next/<name>/stage.py, a stage on its way into the ladder, and return the module (cached). It is no
+    stage of the ladder: stage_ids() does not list it, so no tour, summary or record reads it."""
+    key = f"next/{name}"
+    if key not in _CACHE:
+        path = NEXT_DIR / name / "stage.py"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist; next/ holds {sorted(p.name for p in NEXT_DIR.iterdir())}")
+        _CACHE[key] = import_module_from(path, "kdalab_next_" + name.split("_")[0])
+    return _CACHE[key]
 
 
 def previous(stage_id):

@@ -1,7 +1,9 @@
 """kdalab as a backend of fla-core's registry (fla-core >= 0.6): FLA's own
 ``fla.ops.kda.chunk_kda``, and the KDA layers that call it, run on kdalab's
-kernel for every call it supports under inference (``torch.inference_mode()``
-or ``torch.no_grad()``) and on FLA's kernels for every other call.
+kernel for every call it supports and on FLA's kernels for every other call.
+A call with an input that requires grad (training) runs kdalab's forward and
+backward only with ``FLA_KDALAB_TRAIN=1``: kdalab's backward (next/13_backward)
+is correct but slower than FLA's, so training stays on FLA's kernels unless asked.
 
     import kdalab.fla   # registers (idempotent: kdalab.fla.register() again replaces it)
 
@@ -11,6 +13,7 @@ Backend "kdalab", priority 2 (before FlashKDA's 3); ``FLA_KDALAB=0`` turns it of
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 
@@ -20,6 +23,9 @@ from fla.backends import register as _fla_register
 from fla.ops.kda import chunk_kda as fla_chunk_kda
 
 from .op import chunk_kda, supported
+
+
+TRAIN_ENV = "FLA_KDALAB_TRAIN"  # 1: calls in training run kdalab's forward and backward too
 
 
 class KdalabBackend(BaseBackend):
@@ -32,8 +38,11 @@ class KdalabBackend(BaseBackend):
     priority = 2
 
     def chunk_kda_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-        if torch.is_grad_enabled():
-            return False, "kdalab is forward only and grad is enabled (training runs on FLA's kernels)"
+        training = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
+        if training and os.environ.get(TRAIN_ENV, "0") != "1":
+            return False, (f"an input requires grad and {TRAIN_ENV} is not 1: training runs on FLA's kernels "
+                           f"({TRAIN_ENV}=1 trains on kdalab's)")
         return supported(*args, **kwargs)
 
     def chunk_kda(self, *args, **kwargs):

@@ -1,5 +1,6 @@
 """``chunk_kda``: fla-core 0.6.0's ``fla.ops.kda.chunk_kda`` (same signature,
-argument names and defaults) running the tutorial's last stage, forward only.
+argument names and defaults) running the tutorial's last stage, with a backward
+(next/13_backward) when an input requires grad.
 
 What runs here (anything else raises one clear error before any kernel; FLA's
 ``chunk_kda`` runs it):
@@ -30,8 +31,19 @@ What runs here (anything else raises one clear error before any kernel; FLA's
   ``cu_seqlens_cpu``, they are not read: unchecked, T bounds the longest sequence
   (a larger launch whose extra blocks exit), and there is no hybrid;
 - ``disable_recompute`` is accepted and does nothing: it only changes what FLA
-  keeps for its backward, and this op has none. ``max_num_seqs`` is ignored
-  without ``use_graph``, as FLA ignores it.
+  keeps for its backward, and this op's backward keeps only the inputs (its
+  kernels recompute the rest). ``max_num_seqs`` is ignored without ``use_graph``,
+  as FLA ignores it.
+
+Training (an input that requires grad, with grad enabled) runs the backward of
+next/13_backward, a stage on its way into the ladder (``BACKWARD``), for Kimi
+Linear's layer as FLA's KimiDeltaAttention calls it: bf16 q, k, v, g, beta and
+the gate, the l2norm of q and k and sigmoid(beta) in the kernel (anything else
+raises NotImplementedError naming FLA's flag). Every input gets its gradient:
+q, k, v, g, beta in their dtype, A_log, dt_bias and initial_state in theirs,
+the final state's gradient taken when it is returned. The backward is the
+custom op ``torch.ops.kdalab.chunk_kda_bwd``, registered as chunk_kda_fwd's
+autograd, so a training step compiles with ``fullgraph=True`` too.
 
 The kernel call is the custom op ``torch.ops.kdalab.chunk_kda_fwd`` (tensors and
 plain scalars, a fake implementation for torch.compile, no host sync inside), so
@@ -57,6 +69,10 @@ _DEVICE_TYPES = ("cuda",)  # where the kernel runs (the CPU tests widen it to re
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _FLA = "fla.ops.kda.chunk_kda"
 
+# The stage whose backward kernels run when an input requires grad: next/13_backward, on its way into the
+# ladder (its forward is stage 12's source, so the forward's bits do not depend on which of the two runs it).
+BACKWARD = "13_backward"
+
 _exts: dict = {}
 
 
@@ -67,6 +83,15 @@ def _extension(stage: str = STAGE):
 
         _exts[stage] = load_stage(stage).build()
     return _exts[stage]
+
+
+def _backward_extension():
+    """The compiled extension of BACKWARD (built once, on first use)."""
+    if BACKWARD not in _exts:
+        from common.stages import load_next
+
+        _exts[BACKWARD] = load_next(BACKWARD).build()
+    return _exts[BACKWARD]
 
 
 # --------------------------------------------------------------------------
@@ -159,11 +184,8 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
         for name, t in optional:
             contract.check_is_tensor(name, t)
         contract.check_one_device(q, [("k", k), ("v", v), ("g", g), ("beta", beta)] + optional)
-    if torch.is_grad_enabled():
-        for name, t in [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)] + optional:
-            if t.requires_grad:
-                raise _refuse(f"{name}.requires_grad", True, "forward only: no backward",
-                              "run under torch.inference_mode() or torch.no_grad(), or train with " + _FLA)
+    training = torch.is_grad_enabled() and any(
+        t.requires_grad for _, t in [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)] + optional)
 
     # ---- flags FLA has and the kernel does not run ----
     if cp_context is not None:
@@ -184,6 +206,9 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
     gate, lb = _gate(use_gate_in_kernel, safe_gate, lower_bound)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")  # FLA's words
+    if training:
+        _check_training(q, k, v, g, beta, use_gate_in_kernel, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval)
 
     # ---- dtypes and shapes: the contract's, after what the kernel does not run ----
     with _rule():
@@ -246,6 +271,26 @@ def _plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=F
                 max_seqlen=int(max_seqlen), seq_lens=[int(n) for n in seq_lens], A_log=A_log, dt_bias=dt_bias)
 
 
+def _check_training(q, k, v, g, beta, use_gate_in_kernel, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval):
+    """What the backward (BACKWARD's bwd) runs, asked of a call with an input that requires grad: Kimi Linear's
+    layer as FLA's KimiDeltaAttention calls it, in bf16 (the NotImplementedError names FLA's flag)."""
+    train = "in training (an input requires grad)"
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype != torch.bfloat16:
+            raise _refuse(f"{name}.dtype", t.dtype, f"{train} q, k, v, g and beta are bf16, as the backward's kernels "
+                          "read them (other dtypes are converted for inference only)",
+                          f"cast them to torch.bfloat16, or train with {_FLA}")
+    for flag, value, want in (("use_gate_in_kernel", use_gate_in_kernel, True),
+                              ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, True),
+                              ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel, True),
+                              ("allow_neg_eigval", allow_neg_eigval, False)):
+        if bool(value) != want:
+            raise _refuse(flag, bool(value), f"{train} the backward runs {flag}={want} only: the gate, the "
+                          "l2norm of q and k and sigmoid(beta) in the kernel, as FLA's KimiDeltaAttention calls it",
+                          f"train with {_FLA}")
+
+
 def supported(*args, **kwargs) -> tuple[bool, str | None]:
     """(True, None) if ``chunk_kda(*args, **kwargs)`` runs the kernel, else
     (False, the error it would raise). Never syncs the device: without
@@ -304,6 +349,78 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, gate_i
     return o, ht if output_final_state else ht.new_empty(0)
 
 
+@torch.library.custom_op("kdalab::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None, scale: float,
+                  gate_id: int, lower_bound: float, state_v_first: bool,
+                  max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's kernels (BACKWARD): from the forward's inputs (nothing of the forward is kept: the
+    kernels recompute it) and the gradients of o (do, fp32) and of the final state (dht or None), the
+    gradients of q, k, v, g [B, T, H, K], beta [B, T, H], A_log [H], dt_bias [H, K] and initial_state
+    (an empty [0] tensor without one), all fp32."""
+    f32 = torch.float32
+    dq, dk, dv, dg = (torch.empty(t.shape, dtype=f32, device=q.device) for t in (q, k, v, g))
+    dbeta = torch.empty(beta.shape, dtype=f32, device=q.device)
+    dA_log, ddt_bias = torch.empty_like(A_log), torch.empty_like(dt_bias)
+    dh0 = None if initial_state is None else torch.empty_like(initial_state)
+    _backward_extension().bwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=initial_state,
+                              scale=scale, gate_id=gate_id, lower_bound=lower_bound, chunk_size=_spec().default_chunk,
+                              dout=do, dht=dht, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dA_log=dA_log,
+                              ddt_bias=ddt_bias, dh0=dh0, prof=None, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                              seq_lens=[], state_v_first=state_v_first)
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, q.new_empty(0, dtype=f32) if dh0 is None else dh0
+
+
+@chunk_kda_bwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, scale, gate_id, lower_bound,
+      state_v_first, max_seqlen):
+    f32 = torch.float32
+    grads = [torch.empty(t.shape, dtype=f32, device=q.device) for t in (q, k, v, g, beta, A_log, dt_bias)]
+    dh0 = q.new_empty(0, dtype=f32) if initial_state is None else torch.empty_like(initial_state)
+    return (*grads, dh0)
+
+
+_TRAINABLE = dict(gate_ids=(contract.GATE_ID["softplus"], contract.GATE_ID["bounded"]), l2norm=True, beta_mode=1)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, gate_id, lower_bound, l2norm, beta_mode,
+     state_v_first, output_final_state, max_seqlen, seq_lens) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.scalars = (scale, gate_id, lower_bound, state_v_first, max_seqlen)
+    ctx.trainable = (gate_id in _TRAINABLE["gate_ids"] and l2norm == _TRAINABLE["l2norm"]
+                     and beta_mode == _TRAINABLE["beta_mode"])
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht):
+    """chunk_kda_fwd's gradients through chunk_kda_bwd. chunk_kda refuses what it cannot train before any
+    kernel (_check_training); a direct call of the op with such flags is refused here."""
+    if not ctx.trainable:
+        raise NotImplementedError("kdalab::chunk_kda_fwd: the backward runs the softplus or bounded gate with "
+                                  "l2norm and sigmoid(beta) in the kernel only (gate_id 0 or 1, l2norm True, "
+                                  "beta_mode 1)")
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    scale, gate_id, lower_bound, state_v_first, max_seqlen = ctx.scalars
+    H, K = q.shape[2], q.shape[3]
+    A = A_log if A_log is not None else q.new_zeros(H, dtype=torch.float32)
+    dtb = dt_bias if dt_bias is not None else q.new_zeros(H, K, dtype=torch.float32)
+    if do is None:
+        do = q.new_zeros(v.shape, dtype=torch.float32)
+    dht = dht if ctx.output_final_state and dht is not None else None
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = torch.ops.kdalab.chunk_kda_bwd(
+        q, k, v, g, beta, A, dtb, initial_state, cu_seqlens, do.to(torch.float32).contiguous(),
+        None if dht is None else dht.contiguous(), scale, gate_id, lower_bound, state_v_first, max_seqlen)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            None if A_log is None else dA_log, None if dt_bias is None else ddt_bias,
+            None if initial_state is None else dh0, None, None, None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("kdalab::chunk_kda_fwd", _backward, setup_context=_setup_context)
+
+
 # --------------------------------------------------------------------------
 # The public function
 # --------------------------------------------------------------------------
@@ -336,9 +453,11 @@ def chunk_kda(
     r"""KDA (Kimi Delta Attention), chunked forward on bf16 tensor cores: a drop-in for fla-core 0.6.0's
     ``fla.ops.kda.chunk_kda`` (same arguments, names and defaults) running the tutorial's last stage.
 
-    Needs a CUDA GPU (sm_80 or newer; tuned on the H200). Forward only: inputs that require grad raise
-    (run under ``torch.inference_mode()``, or train with FLA). Anything it does not run raises one error
-    naming the argument, before any kernel; ``kdalab.supported(...)`` answers without running.
+    Needs a CUDA GPU (sm_80 or newer; tuned on the H200). Forward only on the ladder's kernels; with an input
+    that requires grad (grad enabled) it trains through the backward of next/13_backward, for Kimi Linear's
+    flags in bf16 (``use_gate_in_kernel``, ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel``
+    True, ``allow_neg_eigval`` False). Anything it does not run raises one error naming the argument, before
+    any kernel; ``kdalab.supported(...)`` answers without running.
 
     Args:
         q (torch.Tensor):
@@ -378,7 +497,8 @@ def chunk_kda(
         lower_bound (float, Optional):
             the bound, in ``[-5, 0)``. Default: ``None``.
         disable_recompute (bool, Optional):
-            accepted, no effect (it changes what FLA keeps for its backward). Default: ``False``.
+            accepted, no effect (it changes what FLA keeps for its backward; this one keeps the inputs).
+            Default: ``False``.
         return_intermediate_states (bool, Optional):
             not supported (the kernel keeps no per-chunk state): ``True`` raises. Default: ``False``.
         state_v_first (bool, Optional):

@@ -10,7 +10,6 @@ on every gradient but dq, against 2e-7). The GPU build is compiled too.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -21,6 +20,7 @@ from common.inputs import make_cotangents, make_inputs
 from common.metrics import rel_err
 from common.paths import REPO_ROOT
 from common.reference import activate, kda_reference
+from common.stages import load_next
 
 STAGE_DIR = REPO_ROOT / "next" / "13_backward"
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -35,16 +35,9 @@ CASES = [
 ]
 
 
-def _stage():
-    spec = importlib.util.spec_from_file_location("kdalab_next_13", STAGE_DIR / "stage.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def stage():
-    return _stage()
+    return load_next(STAGE_DIR.name)
 
 
 def _case(B, T, H, K, gate, lb, h0, seed):
@@ -164,3 +157,35 @@ def test_the_cpu_check_of_the_algorithm_holds():
 def test_the_gpu_build_compiles(stage):
     """The CUDA build of the stage (stage 12's forward and the backward kernels) compiles with nvcc here."""
     assert hasattr(stage.build(), "bwd")
+
+
+def test_the_op_trains_on_these_kernels(stage, monkeypatch):
+    """kdalab.chunk_kda in training with this backward's source (the emulator in place of the GPU build, the
+    forward an fp64 model): its gradients are the kernels' own, rounded to the inputs' dtypes, bit for bit;
+    packed sequences with their states V-first, as FLA's KimiDeltaAttention calls it."""
+    import kdalab
+    from common.kernel_model import ReferenceExtension
+    from kdalab import op
+
+    monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(op, "_extension", lambda *a: ReferenceExtension(op.STAGE))
+    monkeypatch.setattr(op, "_backward_extension", lambda: stage.EmulatedExtension())
+    lens, H, K = (9, 0, 23), 2, 64
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    kw = make_inputs(1, sum(lens), H, K, K, seed=11, dtype=torch.bfloat16, gate="softplus", h0=False, chunk_size=16)
+    gen = torch.Generator().manual_seed(12)
+    h0 = torch.randn(len(lens), H, K, K, generator=gen) / 8  # V-first
+    leaves = {n: kw[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+    leaves["initial_state"] = h0.clone().requires_grad_()
+    o, ht = kdalab.chunk_kda(**{n: leaves[n] for n in ("q", "k", "v", "g", "beta")}, A_log=leaves["A_log"],
+                             dt_bias=leaves["dt_bias"].reshape(-1), initial_state=leaves["initial_state"],
+                             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, state_v_first=True, cu_seqlens=cu)
+    do, dht = torch.randn(o.shape, generator=gen).to(o.dtype), torch.randn(ht.shape, generator=gen)
+    torch.autograd.backward((o, ht), (do, dht))
+    want = stage.emulate_backward(**{n: kw[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")},
+                                  initial_state=h0.transpose(-1, -2), gate="softplus", do=do.float(),
+                                  dht=dht.transpose(-1, -2), cu_seqlens=cu)
+    want["initial_state"] = want["initial_state"].transpose(-1, -2)
+    for n, t in leaves.items():
+        assert torch.equal(t.grad, want[n].to(t.dtype)), f"d{n}: {rel_err(t.grad, want[n]):.2e}"

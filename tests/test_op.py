@@ -52,6 +52,8 @@ def ext(monkeypatch):
     monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(op, "_extension", lambda stage=op.STAGE: models.setdefault(
         stage, ReferenceExtension(stage, calls)))
+    monkeypatch.setattr(op, "_backward_extension", lambda: models.setdefault(
+        op.BACKWARD, ReferenceExtension(op.BACKWARD, calls)))
     return op._extension(op.STAGE)
 
 
@@ -60,6 +62,7 @@ def no_kernel(monkeypatch):
     """CPU tensors allowed, and any use of the extension fails the test."""
     monkeypatch.setattr(op, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(op, "_extension", lambda *a: pytest.fail("the extension was reached"))
+    monkeypatch.setattr(op, "_backward_extension", lambda *a: pytest.fail("the backward's extension was reached"))
 
 
 def layer_call(B=1, T=37, H=2, D=64, dtype=torch.bfloat16, device="cpu", N=None):
@@ -111,6 +114,14 @@ def _grad(kw):
     kw["q"] = kw["q"].float().requires_grad_()
 
 
+def _train(**change):
+    """The layer's call in training (q requires grad), changed."""
+    def f(kw):
+        kw.update(change)
+        kw["q"] = kw["q"].detach().requires_grad_()
+    return f
+
+
 def _cu(values, **extra):
     def f(kw):
         kw.update({"cu_seqlens": torch.tensor(values), "initial_state": None, **extra})
@@ -133,7 +144,12 @@ REFUSALS = {  # id: (change to the layer's call, exception, text the message mus
                             "return_intermediate_states"),
     "cp_context": (lambda kw: kw.update(cp_context=object()), NotImplementedError, "cp_context"),
     "use_graph": (lambda kw: kw.update(use_graph=True), NotImplementedError, "use_graph"),
-    "requires_grad": (_grad, NotImplementedError, "q.requires_grad"),
+    "train_fp32": (_grad, NotImplementedError, "q.dtype=torch.float32"),
+    "train_log_decay": (_train(use_gate_in_kernel=False), NotImplementedError, "use_gate_in_kernel=False"),
+    "train_no_l2norm": (_train(use_qk_l2norm_in_kernel=False), NotImplementedError, "use_qk_l2norm_in_kernel=False"),
+    "train_beta_as_given": (_train(use_beta_sigmoid_in_kernel=False), NotImplementedError,
+                            "use_beta_sigmoid_in_kernel=False"),
+    "train_neg_eigval": (_train(allow_neg_eigval=True), NotImplementedError, "allow_neg_eigval=True"),
     "unknown_kwarg": (lambda kw: kw.update(window=4), TypeError, "window"),
     "neg_eigval_no_sigmoid": (lambda kw: kw.update(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False),
                               ValueError, "allow_neg_eigval"),
@@ -205,7 +221,7 @@ def test_grad_disabled_lets_requires_grad_through(ext):
 
 
 def test_messages_say_what_to_use_instead(no_kernel):
-    for case in ("use_graph", "gva", "k_ne_v", "intermediate_states", "cp_context", "requires_grad"):
+    for case in ("use_graph", "gva", "k_ne_v", "intermediate_states", "cp_context", "train_fp32", "train_log_decay"):
         change, exc, _ = REFUSALS[case]
         kw = layer_call()
         change(kw)
@@ -485,8 +501,13 @@ def test_verifier_accepts_the_fla_layer_call(fla_backend, N):
         assert b.verify("chunk_kda", **kw) == (True, None)
     with FakeTensorMode():
         kw = layer_call(T=80, H=2, D=128, device="cuda", N=N)
-        ok, why = b.verify("chunk_kda", **kw)  # grad enabled: training stays on FLA's kernels
-    assert not ok and "grad" in why
+        assert b.verify("chunk_kda", **kw) == (True, None)  # grad enabled, nothing requires it: no training
+        kw["v"].requires_grad_()
+        ok, why = b.verify("chunk_kda", **kw)  # training: FLA's kernels unless FLA_KDALAB_TRAIN=1
+        assert not ok and "FLA_KDALAB_TRAIN" in why
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("FLA_KDALAB_TRAIN", "1")
+            assert b.verify("chunk_kda", **kw) == (True, None)
 
 
 @needs_fla
@@ -514,9 +535,29 @@ def test_fla_chunk_kda_dispatches_to_kdalab(fla_backend, ext):
     c = ext.last
     assert (c["gate_id"], c["l2norm"], c["beta_mode"], c["state_v_first"], c["max_seqlen"]) == (1, True, 1, True, 40)
     assert o.shape == (1, 80, 2, 128) and ht.shape == (2, 2, 128, 128) and len(ext.calls) == 1
-    with pytest.raises(Exception):  # grad enabled: FLA's own kernels (which cannot run on this CPU)
+    kw["k"].requires_grad_()
+    with pytest.raises(Exception):  # training: FLA's own kernels (which cannot run on this CPU)
         fla_kda.chunk_kda(**kw)
     assert len(ext.calls) == 1
+
+
+@needs_fla
+def test_fla_chunk_kda_trains_on_kdalab_when_asked(fla_backend, ext, monkeypatch):
+    """With FLA_KDALAB_TRAIN=1, FLA's chunk_kda in training runs kdalab's forward and, on backward(), its
+    backward (the models record both), and the gradients are those of kdalab.chunk_kda itself."""
+    monkeypatch.setenv("FLA_KDALAB_TRAIN", "1")
+    kw = _meaning_call(N=2, T=40, cu_seqlens=torch.tensor([0, 15, 40]))
+    kw["initial_state"] = kw["initial_state"][:2]
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+    grads = []
+    for fn in (fla_kda.chunk_kda, kdalab.chunk_kda):
+        leaves = {n: kw[n].detach().clone().requires_grad_() for n in names}
+        o, ht = fn(**dict(kw, **leaves))
+        (o.float().sum() + ht.sum()).backward()
+        grads.append([leaves[n].grad for n in names])
+    assert [c.get("kind", "fwd") for c in ext.calls] == ["fwd", "bwd", "fwd", "bwd"]
+    for n, a, b in zip(names, *grads):
+        assert torch.equal(a, b), n
 
 
 # --------------------------------------------------------------------------
@@ -662,7 +703,7 @@ def test_a_wrong_max_seqlen_or_seq_lens_is_caught(ext):
 
 def test_the_help_documents_every_argument_and_says_what_it_needs():
     """help(kdalab.chunk_kda) reads like FLA's docstring: every argument of the signature under Args,
-    Returns, an example, and that it needs a CUDA GPU and runs forward only."""
+    Returns, an example, that it needs a CUDA GPU, and what it trains."""
     import inspect
 
     doc = inspect.getdoc(kdalab.chunk_kda)
@@ -670,5 +711,142 @@ def test_the_help_documents_every_argument_and_says_what_it_needs():
     for name in inspect.signature(kdalab.chunk_kda).parameters:
         if name != "kwargs":
             assert re.search(rf"^\s+{name}\b", args, re.M) or f"{name}," in args or f", {name}" in args, name
-    assert "CUDA GPU" in doc and "Forward only" in doc and "Examples::" in doc
+    assert "CUDA GPU" in doc and "requires grad" in doc and "use_qk_l2norm_in_kernel" in doc and "Examples::" in doc
     assert "STAGE" not in doc  # no placeholder names
+
+
+# --------------------------------------------------------------------------
+# training: the op's autograd, its kernels fp64 models, against autograd through FLA's own reference
+# --------------------------------------------------------------------------
+
+GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+TRAINED = {  # id: the change to the layer's call; every one keeps the gate, l2norm and sigmoid(beta) in the kernel
+    "layer": {},
+    "softplus": dict(safe_gate=False, lower_bound=None),
+    "lower_bound_-2": dict(lower_bound=-2.0),
+    "k_first": dict(state_v_first=False),
+    "scale_0.3": dict(scale=0.3),
+    "no_final_state": dict(output_final_state=False),
+    "no_h0": dict(initial_state=None),
+}
+
+
+def _trained_call(name, packed):
+    kw = _meaning_call(N=4 if packed else None, T=50 if packed else 37, **TRAINED[name])
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 9, 9, 30, 50])
+        if kw["initial_state"] is not None:
+            kw["initial_state"] = torch.randn(4, *kw["initial_state"].shape[1:], generator=torch.Generator()
+                                              .manual_seed(8)) / 8
+    else:  # B = 2
+        kw = {n: (torch.cat([t, t.flip(1)]) if n in ("q", "k", "v", "g", "beta") else t) for n, t in kw.items()}
+        if kw["initial_state"] is not None:
+            kw["initial_state"] = torch.cat([kw["initial_state"], -kw["initial_state"]])
+    return kw
+
+
+def _grads(fn, kw, seed=9):
+    """The gradients of sum(o * do) + sum(ht * dht) through fn(**kw) (fixed random cotangents)."""
+    leaves = {n: kw[n].detach().clone().requires_grad_() for n in GRAD_NAMES if kw[n] is not None}
+    o, ht = fn(**dict(kw, **leaves))
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o.float() * torch.randn(o.shape, generator=gen)).sum()
+    if ht is not None:
+        loss = loss + (ht.float() * torch.randn(ht.shape, generator=gen)).sum()
+    loss.backward()
+    return {n: t.grad for n, t in leaves.items()}
+
+
+def _fla_grads(kw, seed=9):
+    """The same through FLA's naive reference (fla_meaning), its leaves fp32 copies of the same values and o
+    returned in bf16 as the op returns it (so that o's cotangent is rounded to bf16 on both sides)."""
+    wide = {n: (t.float() if isinstance(t, torch.Tensor) and n in GRAD_NAMES else t) for n, t in kw.items()}
+
+    def fla_bf16_o(**k):
+        o, ht = fla_meaning(**k)
+        return o.to(torch.bfloat16), ht
+
+    return _grads(fla_bf16_o, wide, seed)
+
+
+# Each gradient against FLA's reference rounded to the gradient's dtype (its input's): the bf16 ones (q, k, v, g,
+# beta) off by the odd element that fp32 and fp64 round to neighbouring bf16 values (3.6e-5 at most measured), the
+# fp32 ones (A_log, dt_bias, h0) by FLA's fp32 arithmetic (7.4e-7 at most)
+GRAD_TOL = dict(q=2e-4, k=2e-4, v=2e-4, g=2e-4, beta=2e-4, A_log=1e-5, dt_bias=1e-5, initial_state=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_training_gradients_are_fla_reference_gradients(ext, name, packed):
+    """kdalab.chunk_kda in training (its kernels fp64 models of their arguments: common.kernel_model): every
+    gradient, in its input's dtype, against autograd through FLA's naive reference with the same flags."""
+    if fla_kda is None:
+        pytest.skip("fla-core is not installed (pip install -e '.[dev]')")
+    kw = _trained_call(name, packed)
+    got, want = _grads(kdalab.chunk_kda, kw), _fla_grads(kw)
+    assert [c.get("kind", "fwd") for c in ext.calls] == ["fwd", "bwd"]
+    assert got.keys() == want.keys()
+    for n in got:
+        assert got[n].dtype == kw[n].dtype and got[n].shape == kw[n].shape, n
+        err = rel_err(got[n], want[n].to(got[n].dtype))
+        assert err < GRAD_TOL[n], f"d{n}: {err:.2e}"
+
+
+def test_the_gradient_test_catches_a_lost_argument(ext):
+    """Planted: the backward's extension called with one argument wrong in turn (what a slip in the op's
+    autograd would do); some gradient then differs from FLA's reference by far more than its tolerance."""
+    if fla_kda is None:
+        pytest.skip("fla-core is not installed (pip install -e '.[dev]')")
+    kw = _trained_call("softplus", packed=True)
+    want = _fla_grads(kw)
+    model = op._backward_extension()
+    for wrong in (dict(state_v_first=False), dict(scale=1.0), dict(gate_id=1, lower_bound=-5.0), dict(dht=None),
+                  dict(cu_seqlens=torch.tensor([0, 9, 20, 30, 50], dtype=torch.int32))):
+        def bwd(*a, _w=wrong, _bwd=model.bwd, **k):
+            return _bwd(*a, **dict(k, **_w))
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(model, "bwd", bwd)
+            got = _grads(kdalab.chunk_kda, kw)
+        assert max(rel_err(got[n], want[n].to(got[n].dtype)) / GRAD_TOL[n] for n in got) > 10, wrong
+
+
+@pytest.mark.parametrize("N", [None, 3])
+def test_opcheck_of_the_training_op(ext, N):
+    """opcheck with inputs that require grad: the autograd registration and AOT's forward and backward graphs
+    (the backward op's fake implementation) agree with what the ops return."""
+    args = list(_op_args(N=N, final=True, v_first=True))
+    for i in range(5):
+        args[i] = args[i].detach().requires_grad_()
+    args[5], args[6] = args[5].requires_grad_(), args[6].requires_grad_()
+    if args[7] is not None:
+        args[7] = args[7].requires_grad_()
+    torch.library.opcheck(torch.ops.kdalab.chunk_kda_fwd.default, tuple(args),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_compiled_training_step_matches_eager(ext, lower_bound):
+    """A training step of the small KDA layer, compiled with fullgraph=True (no graph break), gives eager's
+    loss and parameter gradients; its forward and backward run the op's two kernels."""
+    torch.manual_seed(0)
+    layer = KDALayer(hidden_size=96, num_heads=2, head_dim=64, lower_bound=lower_bound).to(torch.bfloat16)
+    x = torch.randn(2, 21, 96, dtype=torch.bfloat16)
+
+    def step(m, x):
+        y, state = m(x)
+        return y.float().pow(2).mean() + state.pow(2).mean()
+
+    loss = step(layer, x)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    torch._dynamo.reset()
+    ext.calls.clear()
+    got_loss = torch.compile(step, fullgraph=True, backend="aot_eager")(layer, x)
+    got_loss.backward()
+    assert [c.get("kind", "fwd") for c in ext.calls] == ["fwd", "bwd"]
+    torch.testing.assert_close(got_loss, loss)
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], msg=n)

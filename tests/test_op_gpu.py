@@ -282,3 +282,131 @@ def test_fla_kda_layer_through_the_backend(monkeypatch):
         yf = _fla_own(layer, x)[0]
         assert len(calls) == 1
     assert rel_err(y, yf) < BOTH_TOL
+
+
+# --------------------------------------------------------------------------
+# training: the op's autograd on the backward's kernels (next/13_backward)
+# --------------------------------------------------------------------------
+
+GRADS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def _step_grads(fn, kw, seed=1):
+    """Gradients of sum(o * do) + sum(ht * dht) through fn(**kw), fixed random cotangents (fp32 leaves stay fp32)."""
+    leaves = {n: kw[n].detach().clone().requires_grad_() for n in GRADS if kw.get(n) is not None}
+    o, ht = fn(**dict(kw, **leaves))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    loss = (o.float() * torch.randn(o.shape, device="cuda", generator=gen)).sum()
+    if ht is not None:
+        loss = loss + (ht.float() * torch.randn(ht.shape, device="cuda", generator=gen)).sum()
+    loss.backward()
+    return {n: t.grad for n, t in leaves.items()}
+
+
+def _fp64_grads(kw, seed=1):
+    """The same by autograd through the fp64 token loop, sequence by sequence, on the same bf16 values (o rounded
+    to bf16 as the op returns it, so that both cotangents are the same)."""
+    gate = "softplus" if kw.get("lower_bound") is None else "bounded"
+    H, K = kw["q"].shape[2:]
+
+    def ref(q, k, v, g, beta, A_log, dt_bias, initial_state=None, cu_seqlens=None, state_v_first=False,
+            output_final_state=True, **_):
+        x = [t.double() for t in (q, k, v, g, beta)]
+        h0 = None if initial_state is None else initial_state.double()
+        if h0 is not None and state_v_first:
+            h0 = h0.transpose(-1, -2)
+        B, T = q.shape[:2]
+        spans = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
+            [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        os_, Ss = [], []
+        for n, (b, s, e) in enumerate(spans):
+            h = None if h0 is None else h0[n:n + 1]
+            if e == s:
+                Ss.append(torch.zeros(1, H, K, K, dtype=torch.float64, device="cuda") if h is None else h)
+                continue
+            o, S = kda_reference(*[t[b:b + 1, s:e] for t in x], A_log=A_log.double(),
+                                 dt_bias=dt_bias.double().view(H, K), initial_state=h, gate=gate,
+                                 lower_bound=kw.get("lower_bound"), scale=kw.get("scale"))
+            os_.append(o)
+            Ss.append(S)
+        o = torch.cat(os_, 1 if cu_seqlens is not None else 0)
+        S = torch.cat(Ss)
+        if state_v_first:
+            S = S.transpose(-1, -2)
+        return o.to(torch.bfloat16), (S if output_final_state else None)
+
+    wide = {n: (t.double() if n in ("A_log", "dt_bias", "initial_state") and t is not None else t)
+            for n, t in kw.items()}
+    return _step_grads(ref, wide, seed)
+
+
+@pytest.mark.parametrize("N", [None, 6])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_training_gradients_near_fp64(N, v_first, lower_bound):
+    """kdalab.chunk_kda in training: every gradient, in its input's dtype, against autograd through the fp64
+    token loop within stage 13's tolerances (B = 2 with h0 and a tail, or six packed sequences)."""
+    tol = op_backward_stage().TOLERANCE
+    kw = raw(B=1 if N else 2, T=300 if N else 150, H=2, D=128, N=N)
+    kw.update(state_v_first=v_first, lower_bound=lower_bound, safe_gate=lower_bound is not None)
+    if lower_bound is None:
+        kw["A_log"] = torch.log(torch.rand(2, device="cuda") * 0.5 + 0.5)
+    got, want = _step_grads(kdalab.chunk_kda, kw), _fp64_grads(kw)
+    for n in got:
+        assert got[n].dtype == kw[n].dtype and torch.isfinite(got[n]).all(), n
+        err = rel_err(got[n], want[n])
+        assert err < tol["dinitial_state" if n == "initial_state" else "d" + n], f"d{n}: {err:.2e}"
+
+
+def op_backward_stage():
+    from common.stages import load_next
+
+    return load_next(op.BACKWARD)
+
+
+@pytest.mark.parametrize("N", [None, 4])
+def test_training_opcheck(N):
+    kw = raw(T=100, H=2, D=64, N=N)
+    cu = kw.get("cu_seqlens")
+    args = [kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"].view(2, 64),
+            kw["initial_state"], None if cu is None else cu.int(), 0.125, 1, -5.0, True, 1, True, True,
+            0 if cu is None else int((cu[1:] - cu[:-1]).max()), [] if cu is None else (cu[1:] - cu[:-1]).tolist()]
+    for i in range(8):
+        args[i] = args[i].detach().clone().requires_grad_()
+    torch.library.opcheck(torch.ops.kdalab.chunk_kda_fwd.default, tuple(args))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_compiled_training_step_matches_eager(lower_bound):
+    torch.manual_seed(0)
+    layer = KDALayer(hidden_size=512, num_heads=4, head_dim=128, lower_bound=lower_bound).cuda().bfloat16()
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step(m, x):
+        y, state = m(x)
+        return y.float().pow(2).mean() + state.pow(2).mean()
+
+    step(layer, x).backward()
+    ref = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True)(layer, x).backward()
+    for n, p in layer.named_parameters():  # inductor fuses the projections differently
+        assert rel_err(p.grad, ref[n]) < 2e-2, f"{n}: {rel_err(p.grad, ref[n]):.2e}"
+
+
+def test_fla_chunk_kda_trains_through_the_backend(monkeypatch):
+    """With FLA_KDALAB_TRAIN=1, FLA's chunk_kda in training runs kdalab (the same gradients as kdalab.chunk_kda,
+    bit for bit), and those are within twice FLA's own tolerance of FLA's own kernels' gradients."""
+    fla = pytest.importorskip("fla.ops.kda")
+    import kdalab.fla  # noqa: F401 - registers
+
+    kw = raw(T=1024, H=4, D=128, N=6)
+    kw["state_v_first"] = True
+    monkeypatch.setenv("FLA_KDALAB_TRAIN", "1")
+    through, own = _step_grads(fla.chunk_kda, kw), _step_grads(kdalab.chunk_kda, kw)
+    monkeypatch.setenv("FLA_KDALAB_TRAIN", "0")
+    theirs = _fla_own(_step_grads, fla.chunk_kda, kw)
+    for n in GRADS:
+        assert torch.equal(through[n], own[n]), n
+        assert rel_err(own[n], theirs[n]) < BOTH_TOL, f"d{n}: {rel_err(own[n], theirs[n]):.2e}"

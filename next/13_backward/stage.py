@@ -113,6 +113,27 @@ def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, sc
     return dict(grads, **dict(zip(names, out[7:])))
 
 
+class EmulatedExtension:
+    """The GPU build's ``bwd`` (binding.cpp's arguments) on the CPU through the emulator, so that a caller of the
+    binding (kdalab.chunk_kda's autograd) runs the backward's own source on a machine without a GPU."""
+
+    def bwd(self, q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, dout, dht, dq, dk,
+            dv, dg, dbeta, dA_log, ddt_bias, dh0, prof=None, cu_seqlens=None, max_seqlen=0, seq_lens=(),
+            state_v_first=False):
+        if chunk_size != SPEC.default_chunk:
+            raise ValueError(f"chunk_size must be {SPEC.default_chunk}, got {chunk_size}")
+        k_first = (lambda t: t.transpose(-1, -2).contiguous()) if state_v_first else (lambda t: t)
+        out = build_emulator().bwd(q, k, v, g, beta, A_log, dt_bias, None if h0 is None else k_first(h0),
+                                   float(scale), int(gate_id), float(lower_bound), dout,
+                                   None if dht is None else k_first(dht), cu_seqlens)
+        for buf, got in zip((dq, dk, dv, dg, dbeta), out[:5]):
+            buf.copy_(got)
+        ddt_bias.copy_(out[3].sum((0, 1)))
+        dA_log.copy_(out[5].sum((0, 1)))
+        if dh0 is not None:
+            dh0.copy_(k_first(out[6]))
+
+
 def build(profile=False, verbose=False, ablation=None):
     """Compile (or load the cached build of) this stage's extension; ``ablation``
     names one of ABLATIONS to build with that idea turned off."""

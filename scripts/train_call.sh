@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Training through kdalab.chunk_kda on a GPU in one device call (issue 38): build stages 12 and 13 (the op's
+# forward and backward), the op's training tests (tests/test_op_gpu.py: gradients against fp64, opcheck with
+# grads, a compiled training step against eager, FLA's chunk_kda trained through the backend), then the training
+# step beside FLA's (scripts/bench_train.py) at the shapes in TRAIN_SHAPES.
+# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/log.txt.
+# Device command: KDALAB_COMMIT=<commit> bash scripts/train_call.sh   (carry .whl: nvidia-cutlass, fla-core, einops)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 KDALAB_BUILD=/tmp/kb OUT=${OUT:-/tmp/kdalab-out}
+mkdir -p $OUT; t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
+log "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla_core*.whl .whl/einops*.whl
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site_fla:${PYTHONPATH:-}
+( timeout 300 python3 -c "from common.stages import load_stage; load_stage('12').build()" > $OUT/build_12.txt 2>&1
+  log "build 12 rc=$?" ) &
+( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build()" > $OUT/build_13.txt 2>&1
+  log "build 13 rc=$?" ) &
+wait
+timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_op_gpu.py \
+  -k "${TESTS_K:-training or trains}" > $OUT/train_tests.txt 2>&1; log "tests rc=$?"
+tail -15 $OUT/train_tests.txt | tee -a $OUT/log.txt
+timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_train.py --shapes "${TRAIN_SHAPES:-1,8192,32,128}" \
+  --gates "${TRAIN_GATES:-softplus,bounded}" --out $OUT/train.json 2>&1 | tee -a $OUT/log.txt; log "bench rc=$?"
