@@ -2,7 +2,9 @@
 # Training through kdalab.chunk_kda on a GPU in one device call (issue 38): build stages 12 and 13 (the op's
 # forward and backward), the op's training tests (tests/test_op_gpu.py: gradients against fp64, opcheck with
 # grads, a compiled training step against eager, FLA's chunk_kda trained through the backend), then the training
-# step beside FLA's (scripts/bench_train.py) at the shapes in TRAIN_SHAPES.
+# step (scripts/bench_train.py) at the shapes in TRAIN_SHAPES, beside FLA's with FLA=1. FLA's Triton kernels autotune
+# for minutes on the first call of each (H, K) family (../shared/DEVICE_NOTES.md): with FLA=1 the bench runs before
+# the tests, at H = 32, K = 128, so that the test that trains FLA's chunk_kda (same family) finds them tuned.
 # Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/log.txt.
 # Device command: KDALAB_COMMIT=<commit> bash scripts/train_call.sh   (carry .whl: nvidia-cutlass, fla-core, einops)
 set -uo pipefail
@@ -17,8 +19,19 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/site_fla:${PYTHONPATH:-}
 ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build()" > $OUT/build_13.txt 2>&1
   log "build 13 rc=$?" ) &
 wait
-timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_op_gpu.py \
-  -k "${TESTS_K:-training or trains}" > $OUT/train_tests.txt 2>&1; log "tests rc=$?"
-tail -15 $OUT/train_tests.txt | tee -a $OUT/log.txt
-timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_train.py --shapes "${TRAIN_SHAPES:-1,8192,32,128}" \
-  --gates "${TRAIN_GATES:-softplus,bounded}" --out $OUT/train.json 2>&1 | tee -a $OUT/log.txt; log "bench rc=$?"
+tests() {
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_op_gpu.py \
+    -k "$1" > $OUT/train_tests.txt 2>&1; log "tests ($1) rc=$?"
+  tail -15 $OUT/train_tests.txt | tee -a $OUT/log.txt
+}
+bench() {
+  timeout ${BENCH_TIMEOUT:-200} python3 scripts/bench_train.py --shapes "${TRAIN_SHAPES:-1,8192,32,128}" \
+    --gates "${TRAIN_GATES:-softplus,bounded}" $1 --out $OUT/train.json 2>&1 | tee -a $OUT/log.txt; log "bench rc=$?"
+}
+if [ "${FLA:-0}" = 1 ]; then
+  bench ""
+  tests "${TESTS_K:-trains}"
+else
+  tests "${TESTS_K:-training}"
+  bench --no-fla
+fi

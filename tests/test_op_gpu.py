@@ -401,7 +401,7 @@ def test_fla_chunk_kda_trains_through_the_backend(monkeypatch):
     fla = pytest.importorskip("fla.ops.kda")
     import kdalab.fla  # noqa: F401 - registers
 
-    kw = raw(T=1024, H=4, D=128, N=6)
+    kw = raw(T=1024, H=32, D=128, N=6)  # H = 32, K = 128: the family scripts/bench_train.py tunes FLA's kernels for
     kw["state_v_first"] = True
     monkeypatch.setenv("FLA_KDALAB_TRAIN", "1")
     through, own = _step_grads(fla.chunk_kda, kw), _step_grads(kdalab.chunk_kda, kw)
