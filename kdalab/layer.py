@@ -14,10 +14,12 @@ from .op import chunk_kda
 
 class KDALayer(nn.Module):
     def __init__(self, hidden_size: int = 1024, num_heads: int = 8, head_dim: int = 128,
-                 lower_bound: float | None = -5.0, norm_eps: float = 1e-5):
+                 lower_bound: float | None = -5.0, norm_eps: float = 1e-5, kernel=None):
         """lower_bound in [-5, 0): the bounded gate (safe_gate); None: the softplus gate
-        (Kimi Linear's, no bound)."""
+        (Kimi Linear's, no bound). kernel: the chunk_kda it calls (None: kdalab's; FLA's
+        fla.ops.kda.chunk_kda takes the same arguments)."""
         super().__init__()
+        self.kernel = chunk_kda if kernel is None else kernel
         self.num_heads, self.head_dim, self.lower_bound = num_heads, head_dim, lower_bound
         d = num_heads * head_dim
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden_size, d, bias=False) for _ in range(3))
@@ -34,7 +36,7 @@ class KDALayer(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q, k, v = (F.silu(p(x)).view(B, T, H, D) for p in (self.q_proj, self.k_proj, self.v_proj))
-        o, state = chunk_kda(q, k, v, self.f_proj(x).view(B, T, H, D), self.b_proj(x), A_log=self.A_log,
+        o, state = self.kernel(q, k, v, self.f_proj(x).view(B, T, H, D), self.b_proj(x), A_log=self.A_log,
                              dt_bias=self.dt_bias, initial_state=initial_state, output_final_state=True,
                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                              use_beta_sigmoid_in_kernel=True, safe_gate=self.lower_bound is not None,

@@ -5,7 +5,8 @@
 # step (scripts/bench_train.py) at the shapes in TRAIN_SHAPES, beside FLA's with FLA=1. FLA's Triton kernels autotune
 # for minutes on the first call of each (H, K) family (../shared/DEVICE_NOTES.md): with FLA=1 the bench runs before
 # the tests, at H = 32, K = 128, so that the test that trains FLA's chunk_kda (same family) finds them tuned.
-# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/log.txt.
+# With LOSS=1, then the loss curves of a small model on FLA's kernels and on kdalab's (scripts/train_small.py).
+# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/loss.json, $OUT/log.txt.
 # Device command: KDALAB_COMMIT=<commit> bash scripts/train_call.sh   (carry .whl: nvidia-cutlass, fla-core, einops)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 KDALAB_BUILD=/tmp/kb OUT=${OUT:-/tmp/kdalab-out}
@@ -34,4 +35,8 @@ if [ "${FLA:-0}" = 1 ]; then
 else
   tests "${TESTS_K:-training}"
   bench --no-fla
+fi
+if [ "${LOSS:-0}" = 1 ]; then  # loss curves of a small model, FLA's kernels and kdalab's, two seeds (H = 32, K = 128)
+  timeout ${LOSS_TIMEOUT:-240} python3 scripts/train_small.py --steps ${LOSS_STEPS:-300} --out $OUT/loss.json \
+    2>&1 | tee -a $OUT/log.txt; log "loss rc=$?"
 fi
