@@ -40,3 +40,10 @@ if [ "${LOSS:-0}" = 1 ]; then  # loss curves of a small model, FLA's kernels and
   timeout ${LOSS_TIMEOUT:-240} python3 scripts/train_small.py --steps ${LOSS_STEPS:-300} --out $OUT/loss.json \
     2>&1 | tee -a $OUT/log.txt; log "loss rc=$?"
 fi
+if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on the backward's kernels (B1, the chains, B4) at B1 T8192 H32
+  timeout ${NCU_TIMEOUT:-200} ncu --set full -k regex:kda_bwd -s 3 -c 3 -o $OUT/bwd python3 scripts/ncu_backward.py \
+    > $OUT/ncu.txt 2>&1; log "ncu rc=$?"
+  ncu -i $OUT/bwd.ncu-rep --page details --csv > $OUT/bwd_details.csv 2>&1
+  ncu -i $OUT/bwd.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Duration|Throughput|Occupancy|Registers|Warp Cycles|Stall|Shared Memory Config|Block Limit" \
+    | head -120 | tee -a $OUT/log.txt
+fi
