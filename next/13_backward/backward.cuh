@@ -35,9 +35,13 @@ constexpr int kAdjThreads = 256;
 // The chunk as both B1 and B4 rebuild it, in shared memory: q, k normalised, gc the cumulative
 // log decay (natural log), the pair sums kk[c][i] = sum_d k_c k_i e^{gc_c - gc_i} and
 // qk[c][i] = the same with q_c (i <= c), X = (I + L)^-1 with L = strict_lower(beta_c kk).
+// Rows of D + 1 floats: the pair loops give each of 16 lanes its own row i at the same column d, which
+// rows of D floats (D a multiple of 32) would put in one bank, 16 lanes queued on it; a row one float
+// longer moves each row to the next bank.
+constexpr int kPad = 1;
 template <int D>
 struct ChunkSmem {
-  float q[BT][D], k[BT][D], v[BT][D], gc[BT][D];
+  float q[BT][D + kPad], k[BT][D + kPad], v[BT][D + kPad], gc[BT][D + kPad];
   float beta[BT], rq[BT], rk[BT];
   float kk[BT][BT + 1], qk[BT][BT + 1], X[BT][BT + 1];
 };
@@ -413,13 +417,13 @@ constexpr int kSTile = 16;  // columns of S and dS per tile in B4
 template <int D>
 struct AdjSmem {
   ChunkSmem<D> ch;
-  float dout[BT][D], vc[BT][D], dvc[BT][D];  // do, vcorr, dvcorr (V = D columns)
+  float dout[BT][D], vc[BT][D + kPad], dvc[BT][D];  // do, vcorr, dvcorr (V = D columns; vc read row by lane)
   float dqd[BT][D], dkr[BT][D], dw[BT][D];   // the gradients of the chain operands
   union {
     struct {
       float S[D][kSTile + 1], dS[D][kSTile + 1];  // a 16-column tile of S and of dS
     } tile;
-    float kd[BT][D];  // k e^gc, w's right operand
+    float kd[BT][D + kPad];  // k e^gc, w's right operand (read row by lane)
     struct {
       float dq[BT][D], dk[BT][D];  // of the normalised q, k
       float dal[BT][D];            // da * da/dA_log, summed over d per token
@@ -429,6 +433,9 @@ struct AdjSmem {
   float dAqk[BT][BT + 1], dAf[BT][BT + 1], T1[BT][BT + 1], dL[BT][BT + 1];
   float db[BT];
 };
+
+// Two blocks per SM on sm_90 (228 KB of shared memory per SM, 1 KB of it reserved per block).
+static_assert(2 * (sizeof(AdjSmem<128>) + 1024) <= 228 * 1024, "B4 no longer fits two blocks per SM at K = 128");
 
 template <int D>
 __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
