@@ -12,6 +12,7 @@ after every one. (GPU.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -58,6 +59,21 @@ def step_fn(chunk_kda, kw, do):
     return step
 
 
+@contextlib.contextmanager
+def backward_variant(variant):
+    """kdalab.chunk_kda's backward built as ``variant`` (one change turned off) inside the block."""
+    from common.stages import load_next
+    from kdalab import op
+
+    ext = load_next(op.BACKWARD).build(variant=variant)
+    real = op._backward_extension
+    op._backward_extension = lambda: ext
+    try:
+        yield
+    finally:
+        op._backward_extension = real
+
+
 def bench_side(name, chunk_kda, kw, do) -> tuple[dict, list]:
     step = step_fn(chunk_kda, kw, do)
     grads = step()
@@ -77,11 +93,15 @@ def main(argv=None):
     ap.add_argument("--shapes", default=SHAPES, help="B,T,H,K;...")
     ap.add_argument("--gates", default="softplus,bounded")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="also time kdalab with this build of the backward (next/13_backward BACKWARD_VARIANTS)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import kdalab
 
     sides = [("kdalab", kdalab.chunk_kda)]
+    variants = {f"kdalab_{v}": v for v in args.variant}
+    sides += [(name, kdalab.chunk_kda) for name in variants]
     if not args.no_fla:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -98,11 +118,12 @@ def main(argv=None):
             got = {}
             for name, fn in sides:
                 try:
-                    row, got[name] = bench_side(name, fn, kw, do)
+                    with backward_variant(variants[name]) if name in variants else contextlib.nullcontext():
+                        row, got[name] = bench_side(name, fn, kw, do)
                 except Exception as e:  # noqa: BLE001 - recorded, the next side runs
                     row = dict(side=name, error=f"{type(e).__name__}: {str(e)[:300]}")
                 row.update(B=B, T=T, H=H, K=K, V=K, gate=gate)
-                if name != "kdalab" and "kdalab" in got and name in got:
+                if name != "kdalab" and "kdalab" in got and name in got:  # FLA's, or a variant's
                     row["grad_rel_err_vs_kdalab"] = {n: rel_err(a, b) for n, a, b in zip(NAMES, got[name],
                                                                                          got["kdalab"])}
                 rec["rows"].append(row)

@@ -38,7 +38,11 @@ constexpr int kAdjThreads = 256;
 // Rows of D + 1 floats: the pair loops give each of 16 lanes its own row i at the same column d, which
 // rows of D floats (D a multiple of 32) would put in one bank, 16 lanes queued on it; a row one float
 // longer moves each row to the next bank.
+#ifdef KDA_BWD_NO_PAD  // the variant build without the padding (stage.py build(variant="no_pad")), timed beside it
+constexpr int kPad = 0;
+#else
 constexpr int kPad = 1;
+#endif
 template <int D>
 struct ChunkSmem {
   float q[BT][D + kPad], k[BT][D + kPad], v[BT][D + kPad], gc[BT][D + kPad];

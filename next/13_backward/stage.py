@@ -134,9 +134,20 @@ class EmulatedExtension:
             dh0.copy_(k_first(out[6]))
 
 
-def build(profile=False, verbose=False, ablation=None):
+# The backward's variants, each a build of its own timed beside the stage's (scripts/bench_train.py --variant):
+# name -> the preprocessor define that turns one change off.
+BACKWARD_VARIANTS = {"no_pad": "KDA_BWD_NO_PAD"}  # rows of K floats in shared memory (16-way bank conflicts)
+
+
+def build(profile=False, verbose=False, ablation=None, variant=None):
     """Compile (or load the cached build of) this stage's extension; ``ablation``
-    names one of ABLATIONS to build with that idea turned off."""
+    names one of ABLATIONS to build with that idea turned off, ``variant`` one of BACKWARD_VARIANTS."""
+    if variant is not None:
+        if variant not in BACKWARD_VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(BACKWARD_VARIANTS)}, got {variant!r}")
+        return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
+                              extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, variant=variant,
+                              defines=(BACKWARD_VARIANTS[variant],))
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
                           extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, **ablation_build_args(ABLATIONS, ablation))
 
