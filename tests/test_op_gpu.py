@@ -340,6 +340,9 @@ def _fp64_grads(kw, seed=1):
     return _step_grads(ref, wide, seed)
 
 
+REDUCED_PLAIN_TOL = 2e-2  # the CPU check of the bf16-state build: up to 7.4e-3 plain on dA_log (3.3e-4 of its terms)
+
+
 @pytest.mark.parametrize("N", [None, 6])
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
@@ -355,7 +358,11 @@ def test_training_gradients_near_fp64(N, v_first, lower_bound):
     for n in got:
         assert got[n].dtype == kw[n].dtype and torch.isfinite(got[n]).all(), n
         err = rel_err(got[n], want[n])
-        assert err < tol["dinitial_state" if n == "initial_state" else "d" + n], f"d{n}: {err:.2e}"
+        # dA_log and dt_bias are sums over every token that cancel: their plain relative error is several times
+        # that of their terms (scripts/check_backward.py judges them against the terms' size)
+        bound = REDUCED_PLAIN_TOL if n in ("A_log", "dt_bias") else tol["dinitial_state" if n == "initial_state"
+                                                                          else "d" + n]
+        assert err < bound, f"d{n}: {err:.2e}"
 
 
 def op_backward_stage():

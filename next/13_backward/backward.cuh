@@ -52,6 +52,22 @@ struct ChunkSmem {
 
 __device__ __forceinline__ float bf2f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// A state element as stored for B4 (kda_state_t: bf16, or fp32 in the variant build), and back.
+__device__ __forceinline__ kda_state_t to_state(float x) {
+#ifdef KDA_BWD_STATES_FP32
+  return x;
+#else
+  return __float2bfloat16_rn(x);
+#endif
+}
+__device__ __forceinline__ float from_state(kda_state_t x) {
+#ifdef KDA_BWD_STATES_FP32
+  return x;
+#else
+  return __bfloat162float(x);
+#endif
+}
+
 // Sequence i: its first token and length (common.cuh's seq_span for KdaBwdParams). Without cu_seqlens
 // batch row i, (i T, T); with them tokens cu[i] .. cu[i + 1] - 1 of the packed [1, T] inputs.
 struct Span {
@@ -313,9 +329,9 @@ __device__ void states_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) 
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n - 1) is done
     if (n + 1 < nt) issue_states<D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
-    float* st = p.states + slot * D * D;
+    kda_state_t* st = p.states + slot * D * D;
 #pragma unroll
-    for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = S[r];
+    for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = to_state(S[r]);
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
       float acc = 0.f;
@@ -363,9 +379,9 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n + 1) is done
     if (n > 0) issue_reverse<D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
-    float* st = p.dstates + slot * D * D;
+    kda_state_t* st = p.dstates + slot * D * D;
 #pragma unroll
-    for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = dS[r];
+    for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = to_state(dS[r]);
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
       float acc = 0.f;
@@ -466,14 +482,14 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   float aq[BT / G], aw[BT / G], ar[BT / G], agl = 0.f;
 #pragma unroll
   for (int m = 0; m < BT / G; ++m) aq[m] = aw[m] = ar[m] = 0.f;
-  const float* S = p.states + slot * D * D;
-  const float* dS = p.dstates + slot * D * D;
+  const kda_state_t* S = p.states + slot * D * D;
+  const kda_state_t* dS = p.dstates + slot * D * D;
   for (int j0 = 0; j0 < D; j0 += kSTile) {
     __syncthreads();
     for (int idx = tid; idx < D * kSTile; idx += kAdjThreads) {
       const int r = idx / kSTile, jj = idx % kSTile;
-      s.ph.tile.S[r][jj] = S[(size_t)r * D + j0 + jj];
-      s.ph.tile.dS[r][jj] = dS[(size_t)r * D + j0 + jj];
+      s.ph.tile.S[r][jj] = from_state(S[(size_t)r * D + j0 + jj]);
+      s.ph.tile.dS[r][jj] = from_state(dS[(size_t)r * D + j0 + jj]);
     }
     __syncthreads();
     for (int jj = 0; jj < kSTile; ++jj) {

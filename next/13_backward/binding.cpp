@@ -529,7 +529,12 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   torch::Tensor qd = torch::empty({slots, kChunk, K}, opts), kr = torch::empty({slots, kChunk, K}, opts);
   torch::Tensor w = torch::empty({slots, kChunk, K}, opts), u = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor Aqk = torch::empty({slots, kChunk, kChunk}, opts), el = torch::empty({slots, K}, opts);
-  torch::Tensor states = torch::empty({slots, K, V}, opts), dstates = torch::empty({slots, K, V}, opts);
+#ifdef KDA_BWD_STATES_FP32
+  const auto state_opts = opts;
+#else
+  const auto state_opts = q.options().dtype(torch::kBFloat16);
+#endif
+  torch::Tensor states = torch::empty({slots, K, V}, state_opts), dstates = torch::empty({slots, K, V}, state_opts);
   torch::Tensor vcorr = torch::empty({slots, kChunk, V}, opts), dvcorr = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor dAlog_part = torch::empty({B, T, H}, opts);
   torch::Tensor h0_k, dht_k, dh0_k;  // the states K-first
@@ -564,8 +569,8 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.u = u.data_ptr<float>();
   p.Aqk = Aqk.data_ptr<float>();
   p.el = el.data_ptr<float>();
-  p.states = states.data_ptr<float>();
-  p.dstates = dstates.data_ptr<float>();
+  p.states = reinterpret_cast<kda_state_t*>(states.data_ptr());
+  p.dstates = reinterpret_cast<kda_state_t*>(dstates.data_ptr());
   p.vcorr = vcorr.data_ptr<float>();
   p.dvcorr = dvcorr.data_ptr<float>();
   p.dq = dq.data_ptr<float>();

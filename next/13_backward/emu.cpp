@@ -64,7 +64,12 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   torch::Tensor dbeta = nan({B, T, H}), dal = nan({B, T, H});
   torch::Tensor dh0 = h0.has_value() ? nan({N, H, D, D}) : torch::Tensor();
   torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D}), u = nan({S, 16, D});
-  torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D}), st = nan({S, D, D}), dst = nan({S, D, D});
+  torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D});
+#ifdef KDA_BWD_STATES_FP32
+  torch::Tensor st = nan({S, D, D}), dst = nan({S, D, D});
+#else
+  torch::Tensor st = torch::full({S, D, D}, NAN, o.dtype(torch::kBFloat16)), dst = torch::full({S, D, D}, NAN, o.dtype(torch::kBFloat16));
+#endif
   torch::Tensor vc = nan({S, 16, D}), dvc = nan({S, 16, D});
   KdaBwdParams p{};
   p.B = (int)B;
@@ -93,8 +98,8 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.u = u.data_ptr<float>();
   p.Aqk = Aqk.data_ptr<float>();
   p.el = el.data_ptr<float>();
-  p.states = st.data_ptr<float>();
-  p.dstates = dst.data_ptr<float>();
+  p.states = reinterpret_cast<kda_state_t*>(st.data_ptr());
+  p.dstates = reinterpret_cast<kda_state_t*>(dst.data_ptr());
   p.vcorr = vc.data_ptr<float>();
   p.dvcorr = dvc.data_ptr<float>();
   p.dq = dq.data_ptr<float>();

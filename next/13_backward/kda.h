@@ -182,6 +182,16 @@ cudaError_t kda_frag_check_launch(const __nv_bfloat16* A, const float* X, float*
 // [N, H, K, V] (the binding turns a V-first state around), K = V in {64, 128}, the raw gates 0
 // (softplus) and 1 (bounded), q and k L2-normalised and beta = sigmoid(beta) here.
 // ---------------------------------------------------------------------------
+// What B4 reads of the two chains, each chunk's entry state and exit gradient, is stored in bf16, as FLA stores
+// its per-chunk states for its backward: half the bytes of the largest part of the workspace. The chains keep
+// their state in fp32 registers; only B4's copy is rounded. KDA_BWD_STATES_FP32 (the variant build
+// "fp32_states", and the CPU check's emulator) stores them in fp32.
+#ifdef KDA_BWD_STATES_FP32
+using kda_state_t = float;
+#else
+using kda_state_t = __nv_bfloat16;
+#endif
+
 struct KdaBwdParams {
   int B, T, H, D;  // D = K = V
   int N;           // sequences: B, or cu_seqlens' N
@@ -195,12 +205,12 @@ struct KdaBwdParams {
   int gate_id;           // KDA_GATE_SOFTPLUS or KDA_GATE_BOUNDED
   const float* dout;     // [B, T, H, V] fp32, the gradient of o
   const float* dht;      // [N, H, K, V] fp32, the gradient of the final state, or nullptr
-  // ---- workspace, one slot per chunk [N H, NT, ...], fp32 ----
+  // ---- workspace, one slot per chunk [N H, NT, ...], fp32 but the states ----
   float *qd, *kr, *w;    // [.., 16, K]
   float* u;              // [.., 16, V]
   float* Aqk;            // [.., 16, 16]
   float* el;             // [.., K]  exp(glast)
-  float *states, *dstates;  // [.., K, V]: each chunk's entry state, and the gradient of its exit state
+  kda_state_t *states, *dstates;  // [.., K, V]: each chunk's entry state, and the gradient of its exit state
   float *vcorr, *dvcorr;    // [.., 16, V]
   // ---- outputs, fp32 ----
   float *dq, *dk, *dv, *dg;  // [B, T, H, *]; dg is the gradient of g (and, summed, of dt_bias)

@@ -78,34 +78,36 @@ CUDA_FLAGS = [
 ]
 
 
-def build_emulator(verbose=False):
+def build_emulator(verbose=False, fp32_states=False):
     """The backward's kernels compiled for the CPU (emu.cpp through kda_emu.h: a std::thread per
-    CUDA thread), so that a machine without a GPU runs their source; a C++ compiler and the CUDA headers only."""
+    CUDA thread), so that a machine without a GPU runs their source; a C++ compiler and the CUDA headers only.
+    ``fp32_states``: the chains' states stored for B4 in fp32 (KDA_BWD_STATES_FP32) instead of bf16, so that every
+    gradient is exact to fp32 round-off and a wrong index cannot hide in bf16's rounding."""
     from common.build import setup_cuda_home
 
     home = setup_cuda_home()
     if home is None:
         raise RuntimeError("the CUDA headers (cuda_bf16.h) were not found: set CUDA_HOME to the CUDA toolkit")
-    return load_extension(HERE, "emu_13_backward", ["emu.cpp"], cuda=False, verbose=verbose,
-                          extra_cflags=["-std=c++20", "-pthread", "-Wno-unknown-pragmas", f"-I{home}/include"])
+    flags = ["-std=c++20", "-pthread", "-Wno-unknown-pragmas", f"-I{home}/include"]
+    return load_extension(HERE, "emu_13_backward" + ("_fp32_states" if fp32_states else ""), ["emu.cpp"], cuda=False,
+                          verbose=verbose, extra_cflags=flags + (["-DKDA_BWD_STATES_FP32"] if fp32_states else []))
 
 
 def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
-                     lower_bound=None, do, dht=None, cu_seqlens=None) -> dict:
+                     lower_bound=None, do, dht=None, cu_seqlens=None, fp32_states=False) -> dict:
     """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
     gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
     el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call. ``cu_seqlens``: packed
-    sequences (B = 1), the states then [N, H, K, V]."""
+    sequences (B = 1), the states then [N, H, K, V]. ``fp32_states``: build_emulator's."""
     from common.contract import check_gate
 
     gate, gate_id, lb = check_gate(gate, lower_bound)
     K = q.shape[-1]
     bf, f32 = (lambda t: t.to(torch.bfloat16).contiguous()), (lambda t: t.float().contiguous())
-    out = build_emulator().bwd(bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias),
-                               None if initial_state is None else f32(initial_state),
-                               float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do),
-                               None if dht is None else f32(dht),
-                               None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
+    out = build_emulator(fp32_states=fp32_states).bwd(
+        bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias), None if initial_state is None else f32(initial_state),
+        float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do), None if dht is None else f32(dht),
+        None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
     dq, dk, dv, dg, dbeta, dal, dh0 = out[:7]
     grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=dg.sum((0, 1)),
                  initial_state=dh0 if initial_state is not None else None)
@@ -136,7 +138,10 @@ class EmulatedExtension:
 
 # The backward's variants, each a build of its own timed beside the stage's (scripts/bench_train.py --variant):
 # name -> the preprocessor define that turns one change off.
-BACKWARD_VARIANTS = {"no_pad": "KDA_BWD_NO_PAD"}  # rows of K floats in shared memory (16-way bank conflicts)
+BACKWARD_VARIANTS = {
+    "no_pad": "KDA_BWD_NO_PAD",  # rows of K floats in shared memory (16-way bank conflicts)
+    "fp32_states": "KDA_BWD_STATES_FP32",  # the chains' states stored for B4 in fp32 (twice the bytes)
+}
 
 
 def build(profile=False, verbose=False, ablation=None, variant=None):
