@@ -358,11 +358,10 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                                             torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's kernels (BACKWARD): from the forward's inputs (nothing of the forward is kept: the
     kernels recompute it) and the gradients of o (do, fp32) and of the final state (dht or None), the
-    gradients of q, k, v, g [B, T, H, K], beta [B, T, H], A_log [H], dt_bias [H, K] and initial_state
-    (an empty [0] tensor without one), all fp32."""
+    gradients of q, k, v, g [B, T, H, K] and beta [B, T, H] in their inputs' dtype (bf16: the kernels write
+    them so), of A_log [H], dt_bias [H, K] and initial_state (an empty [0] tensor without one) in fp32."""
     f32 = torch.float32
-    dq, dk, dv, dg = (torch.empty(t.shape, dtype=f32, device=q.device) for t in (q, k, v, g))
-    dbeta = torch.empty(beta.shape, dtype=f32, device=q.device)
+    dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
     dA_log, ddt_bias = torch.empty_like(A_log), torch.empty_like(dt_bias)
     dh0 = None if initial_state is None else torch.empty_like(initial_state)
     _backward_extension().bwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=initial_state,
@@ -377,7 +376,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, do, dht, scale, gate_id, lower_bound,
       state_v_first, max_seqlen):
     f32 = torch.float32
-    grads = [torch.empty(t.shape, dtype=f32, device=q.device) for t in (q, k, v, g, beta, A_log, dt_bias)]
+    grads = [torch.empty_like(t) for t in (q, k, v, g, beta)] + [torch.empty_like(t) for t in (A_log, dt_bias)]
     dh0 = q.new_empty(0, dtype=f32) if initial_state is None else torch.empty_like(initial_state)
     return (*grads, dh0)
 

@@ -52,6 +52,14 @@ struct ChunkSmem {
 
 __device__ __forceinline__ float bf2f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// A gradient element into its output: bf16 where the bf16 buffer is given, else fp32.
+__device__ __forceinline__ void put_grad(float* f32, __nv_bfloat16* bf, size_t i, float x) {
+  if (bf != nullptr)
+    bf[i] = __float2bfloat16_rn(x);
+  else
+    f32[i] = x;
+}
+
 // A state element as stored for B4 (kda_state_t: bf16, or fp32 in the variant build), and back.
 __device__ __forceinline__ kda_state_t to_state(float x) {
 #ifdef KDA_BWD_STATES_FP32
@@ -600,7 +608,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     }
     // gc = cumsum(a), glast = gc[last]: da[c] = sum_{c' >= c} dgc[c'] + dglast; then the gate
     const float A = expf(p.A_log[h]);
-    float acc = dglast;
+    float acc = dglast, dsum = 0.f;  // dsum: the chunk's share of ddt_bias[h][e]
 #pragma unroll
     for (int c = BT - 1; c >= 0; --c) {
       acc += dgc[c];
@@ -620,12 +628,14 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
         }
         dgx = acc * dadx;
         dal = acc * dadlog;
-        p.dg[row * D + e] = dgx;
+        put_grad(p.dg, p.dg_bf, row * D + e, dgx);
+        dsum += dgx;
       }
       s.ph.g.dal[c][e] = dal;
       s.ph.g.dq[c][e] = dq[c];
       s.ph.g.dk[c][e] = dk[c];
     }
+    p.ddt_part[slot * D + e] = dsum;
   }
   __syncthreads();
   // dv = Af^T du
@@ -634,7 +644,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     if (i < len) {
       float acc = 0.f;
       for (int c = i; c < BT; ++c) acc += ch.X[c][i] * ch.beta[i] * s.dvc[c][e];
-      p.dv[(((size_t)sq.bos + t0 + i) * p.H + h) * D + e] = acc;
+      put_grad(p.dv, p.dv_bf, (((size_t)sq.bos + t0 + i) * p.H + h) * D + e, acc);
     }
   }
   // per token: the l2norm's adjoint, dbeta through the sigmoid, dA_log's share; one warp per row
@@ -653,12 +663,12 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     }
     const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
     for (int e = lane; e < D; e += 32) {
-      p.dq[row * D + e] = (s.ph.g.dq[c][e] - ch.q[c][e] * xq) / ch.rq[c];
-      p.dk[row * D + e] = (s.ph.g.dk[c][e] - ch.k[c][e] * xk) / ch.rk[c];
+      put_grad(p.dq, p.dq_bf, row * D + e, (s.ph.g.dq[c][e] - ch.q[c][e] * xq) / ch.rq[c]);
+      put_grad(p.dk, p.dk_bf, row * D + e, (s.ph.g.dk[c][e] - ch.k[c][e] * xk) / ch.rk[c]);
     }
     if (lane == 0) {
       const float sb = ch.beta[c];
-      p.dbeta[row] = s.db[c] * sb * (1.f - sb);
+      put_grad(p.dbeta, p.dbeta_bf, row, s.db[c] * sb * (1.f - sb));
       p.dAlog_part[row] = al;
     }
   }

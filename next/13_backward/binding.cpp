@@ -502,15 +502,19 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
     check_tensor(*dht, "dht", q, f32);
     check_shape(*dht, "dht", state_shape);
   }
-  check_tensor(dq, "dq", q, f32);
+  // the five per-token gradients all fp32 or all bf16 (the op's: the dtype it returns them in)
+  const auto gdt = dq.defined() ? dq.scalar_type() : f32;
+  TORCH_CHECK(gdt == f32 || gdt == torch::kBFloat16, "dq, dk, dv, dg, dbeta must be float32 or bfloat16, got ", gdt);
+  const bool grads_bf16 = gdt == torch::kBFloat16;
+  check_tensor(dq, "dq", q, gdt);
   check_shape(dq, "dq", {B, T, H, K});
-  check_tensor(dk, "dk", q, f32);
+  check_tensor(dk, "dk", q, gdt);
   check_shape(dk, "dk", {B, T, H, K});
-  check_tensor(dv, "dv", q, f32);
+  check_tensor(dv, "dv", q, gdt);
   check_shape(dv, "dv", {B, T, H, V});
-  check_tensor(dg, "dg", q, f32);
+  check_tensor(dg, "dg", q, gdt);
   check_shape(dg, "dg", {B, T, H, K});
-  check_tensor(dbeta, "dbeta", q, f32);
+  check_tensor(dbeta, "dbeta", q, gdt);
   check_shape(dbeta, "dbeta", {B, T, H});
   check_tensor(dA_log, "dA_log", q, f32);
   check_shape(dA_log, "dA_log", {H});
@@ -537,6 +541,7 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   torch::Tensor states = torch::empty({slots, K, V}, state_opts), dstates = torch::empty({slots, K, V}, state_opts);
   torch::Tensor vcorr = torch::empty({slots, kChunk, V}, opts), dvcorr = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor dAlog_part = torch::empty({B, T, H}, opts);
+  torch::Tensor ddt_part = torch::zeros({slots, K}, opts);  // chunks that do not run stay 0
   torch::Tensor h0_k, dht_k, dh0_k;  // the states K-first
   if (present(h0)) h0_k = k_first(*h0);
   if (present(dht)) dht_k = k_first(*dht);
@@ -573,18 +578,29 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.dstates = reinterpret_cast<kda_state_t*>(dstates.data_ptr());
   p.vcorr = vcorr.data_ptr<float>();
   p.dvcorr = dvcorr.data_ptr<float>();
-  p.dq = dq.data_ptr<float>();
-  p.dk = dk.data_ptr<float>();
-  p.dv = dv.data_ptr<float>();
-  p.dg = dg.data_ptr<float>();
-  p.dbeta = dbeta.data_ptr<float>();
+  if (grads_bf16) {
+    auto bf = [](torch::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); };
+    p.dq_bf = bf(dq);
+    p.dk_bf = bf(dk);
+    p.dv_bf = bf(dv);
+    p.dg_bf = bf(dg);
+    p.dbeta_bf = bf(dbeta);
+  } else {
+    p.dq = dq.data_ptr<float>();
+    p.dk = dk.data_ptr<float>();
+    p.dv = dv.data_ptr<float>();
+    p.dg = dg.data_ptr<float>();
+    p.dbeta = dbeta.data_ptr<float>();
+  }
+  p.ddt_part = ddt_part.data_ptr<float>();
   p.dAlog_part = dAlog_part.data_ptr<float>();
   p.dh0 = present(dh0) ? dh0_k.data_ptr<float>() : nullptr;
   kda_launch_log().clear();
   kda_check(kda_bwd_launch(p, stream), "kda backward");
   if (present(dh0) && state_v_first) dh0->copy_(dh0_k.transpose(-1, -2));
-  // the parameters' gradients: sums over batch and time (dg is also d/d(g + dt_bias))
-  ddt_bias.copy_(dg.sum(at::IntArrayRef{0, 1}));
+  // the parameters' gradients: sums over batch and time (dg is also d/d(g + dt_bias)), in fp32 whatever dg's dtype:
+  // each chunk's sum of its tokens' dg (B4), then over sequences and chunks
+  ddt_bias.copy_(ddt_part.view({N, H, NT, K}).sum(at::IntArrayRef{0, 2}));
   dA_log.copy_(dAlog_part.sum(at::IntArrayRef{0, 1}));
   return {qd, kr, w, u, Aqk, el, states, dstates, vcorr, dvcorr, dAlog_part};
 }

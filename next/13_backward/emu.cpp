@@ -3,9 +3,10 @@
 // (tests/test_backward_emu.py). The same source as the GPU build, launched in the same order with the
 // same grids, threads and shared memory as kda.cu's bwd::launch_all.
 //
-// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?, cu_seqlens?) -> [dq, dk, dv,
-// dg, dbeta, dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk, el, states, dstates, vcorr, dvcorr], CPU
-// tensors, inputs as the GPU binding takes them (bf16 q, k, v, g, beta; fp32 the rest).
+// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?, cu_seqlens?, grads_bf16) ->
+// [dq, dk, dv, dg, dbeta (fp32, or bf16 with grads_bf16), dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk, el, states,
+// dstates, vcorr, dvcorr, ddt_bias], CPU tensors, inputs as the GPU binding takes them (bf16 q, k, v, g, beta; fp32
+// the rest).
 #include "kda_emu.h"
 
 #include <torch/extension.h>
@@ -45,7 +46,7 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
                                    torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias,
                                    c10::optional<torch::Tensor> h0, double scale, int64_t gate_id, double lower_bound,
                                    torch::Tensor dout, c10::optional<torch::Tensor> dht,
-                                   c10::optional<torch::Tensor> cu_seqlens) {
+                                   c10::optional<torch::Tensor> cu_seqlens, bool grads_bf16) {
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
   int64_t N = B, max_len = T;
   if (cu_seqlens.has_value()) {
@@ -60,8 +61,12 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   const auto o = torch::TensorOptions().dtype(torch::kFloat32);
   auto nan = [&](std::vector<int64_t> shape) { return torch::full(shape, NAN, o); };  // poisoned: all written?
   const int64_t S = N * H * NT;
-  torch::Tensor dq = nan({B, T, H, D}), dk = nan({B, T, H, D}), dv = nan({B, T, H, D}), dg = nan({B, T, H, D});
-  torch::Tensor dbeta = nan({B, T, H}), dal = nan({B, T, H});
+  auto grad = [&](std::vector<int64_t> shape) {  // an output gradient in the dtype asked for, poisoned
+    return grads_bf16 ? torch::full(shape, NAN, o.dtype(torch::kBFloat16)) : nan(shape);
+  };
+  torch::Tensor dq = grad({B, T, H, D}), dk = grad({B, T, H, D}), dv = grad({B, T, H, D}), dg = grad({B, T, H, D});
+  torch::Tensor dbeta = grad({B, T, H}), dal = nan({B, T, H});
+  torch::Tensor ddt = torch::zeros({N * H * NT, D}, o);  // as the binding: zero where no chunk runs
   torch::Tensor dh0 = h0.has_value() ? nan({N, H, D, D}) : torch::Tensor();
   torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D}), u = nan({S, 16, D});
   torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D});
@@ -102,18 +107,28 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.dstates = reinterpret_cast<kda_state_t*>(dst.data_ptr());
   p.vcorr = vc.data_ptr<float>();
   p.dvcorr = dvc.data_ptr<float>();
-  p.dq = dq.data_ptr<float>();
-  p.dk = dk.data_ptr<float>();
-  p.dv = dv.data_ptr<float>();
-  p.dg = dg.data_ptr<float>();
-  p.dbeta = dbeta.data_ptr<float>();
+  if (grads_bf16) {
+    auto b = [](torch::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); };
+    p.dq_bf = b(dq);
+    p.dk_bf = b(dk);
+    p.dv_bf = b(dv);
+    p.dg_bf = b(dg);
+    p.dbeta_bf = b(dbeta);
+  } else {
+    p.dq = dq.data_ptr<float>();
+    p.dk = dk.data_ptr<float>();
+    p.dv = dv.data_ptr<float>();
+    p.dg = dg.data_ptr<float>();
+    p.dbeta = dbeta.data_ptr<float>();
+  }
+  p.ddt_part = ddt.data_ptr<float>();
   p.dAlog_part = dal.data_ptr<float>();
   p.dh0 = h0.has_value() ? dh0.data_ptr<float>() : nullptr;
   if (D == 64)
     launch_all<64>(p);
   else
     launch_all<128>(p);
-  return {dq, dk, dv, dg, dbeta, dal, dh0, qd, kr, w, u, Aqk, el, st, dst, vc, dvc};
+  return {dq, dk, dv, dg, dbeta, dal, dh0, qd, kr, w, u, Aqk, el, st, dst, vc, dvc, ddt.view({N, H, NT, D}).sum({0, 2})};
 }
 
 }  // namespace

@@ -212,9 +212,11 @@ struct KdaBwdParams {
   float* el;             // [.., K]  exp(glast)
   kda_state_t *states, *dstates;  // [.., K, V]: each chunk's entry state, and the gradient of its exit state
   float *vcorr, *dvcorr;    // [.., 16, V]
-  // ---- outputs, fp32 ----
+  // ---- outputs, fp32, or bf16 where the *_bf pointer is given (then the fp32 one is not written) ----
   float *dq, *dk, *dv, *dg;  // [B, T, H, *]; dg is the gradient of g (and, summed, of dt_bias)
   float* dbeta;              // [B, T, H]
+  __nv_bfloat16 *dq_bf, *dk_bf, *dv_bf, *dg_bf, *dbeta_bf;  // the same in bf16 (the op's: as it returns them)
+  float* ddt_part;           // [N H, NT, K]: each chunk's sum of dg over its tokens (zero where no chunk runs)
   float* dAlog_part;         // [B, T, H]  each token's share of dA_log
   float* dh0;                // [N, H, K, V] or nullptr
 };

@@ -94,11 +94,12 @@ def build_emulator(verbose=False, fp32_states=False):
 
 
 def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
-                     lower_bound=None, do, dht=None, cu_seqlens=None, fp32_states=False) -> dict:
+                     lower_bound=None, do, dht=None, cu_seqlens=None, fp32_states=False, grads_bf16=False) -> dict:
     """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
     gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
     el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call. ``cu_seqlens``: packed
-    sequences (B = 1), the states then [N, H, K, V]. ``fp32_states``: build_emulator's."""
+    sequences (B = 1), the states then [N, H, K, V]. ``fp32_states``: build_emulator's. ``grads_bf16``: the per-token
+    gradients written in bf16 by the kernels, as the op has them written."""
     from common.contract import check_gate
 
     gate, gate_id, lb = check_gate(gate, lower_bound)
@@ -107,12 +108,12 @@ def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, sc
     out = build_emulator(fp32_states=fp32_states).bwd(
         bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias), None if initial_state is None else f32(initial_state),
         float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do), None if dht is None else f32(dht),
-        None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
+        None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous(), grads_bf16)
     dq, dk, dv, dg, dbeta, dal, dh0 = out[:7]
-    grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=dg.sum((0, 1)),
+    grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=out[17],
                  initial_state=dh0 if initial_state is not None else None)
     names = ("qd", "kr", "w", "u", "Aqk", "el", "states", "dstates", "vcorr", "dvcorr")
-    return dict(grads, **dict(zip(names, out[7:])))
+    return dict(grads, **dict(zip(names, out[7:17])))
 
 
 class EmulatedExtension:
@@ -127,10 +128,12 @@ class EmulatedExtension:
         k_first = (lambda t: t.transpose(-1, -2).contiguous()) if state_v_first else (lambda t: t)
         out = build_emulator().bwd(q, k, v, g, beta, A_log, dt_bias, None if h0 is None else k_first(h0),
                                    float(scale), int(gate_id), float(lower_bound), dout,
-                                   None if dht is None else k_first(dht), cu_seqlens)
+                                   None if dht is None else k_first(dht), cu_seqlens, dq.dtype == torch.bfloat16)
         for buf, got in zip((dq, dk, dv, dg, dbeta), out[:5]):
+            if got.dtype != buf.dtype:
+                raise TypeError(f"the emulator wrote {got.dtype} where the binding writes {buf.dtype}")
             buf.copy_(got)
-        ddt_bias.copy_(out[3].sum((0, 1)))
+        ddt_bias.copy_(out[17])
         dA_log.copy_(out[5].sum((0, 1)))
         if dh0 is not None:
             dh0.copy_(k_first(out[6]))
