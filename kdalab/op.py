@@ -364,11 +364,10 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     dq, dk, dv, dg, dbeta = (torch.empty_like(t) for t in (q, k, v, g, beta))
     dA_log, ddt_bias = torch.empty_like(A_log), torch.empty_like(dt_bias)
     dh0 = None if initial_state is None else torch.empty_like(initial_state)
-    _backward_extension().bwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, h0=initial_state,
-                              scale=scale, gate_id=gate_id, lower_bound=lower_bound, chunk_size=_spec().default_chunk,
-                              dout=do, dht=dht, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dA_log=dA_log,
-                              ddt_bias=ddt_bias, dh0=dh0, prof=None, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              seq_lens=[], state_v_first=state_v_first)
+    # common/extrun.py's order (the binding names do "do"), the packed sequences' arguments by name
+    _backward_extension().bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, gate_id, lower_bound,
+                              _spec().default_chunk, do, dht, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None,
+                              cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_lens=[], state_v_first=state_v_first)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, q.new_empty(0, dtype=f32) if dh0 is None else dh0
 
 

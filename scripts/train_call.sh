@@ -25,7 +25,7 @@ for v in ${VARIANTS:-no_pad fp32_states}; do  # the backward's variants (next/13
 done
 wait
 tests() {
-  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_op_gpu.py \
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/test_op_gpu.py \
     -k "$1" > $OUT/train_tests.txt 2>&1; log "tests ($1) rc=$?"
   tail -15 $OUT/train_tests.txt | tee -a $OUT/log.txt
 }

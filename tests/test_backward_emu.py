@@ -190,6 +190,26 @@ def test_the_gpu_build_compiles(stage):
     assert hasattr(stage.build(), "bwd")
 
 
+def test_the_op_calls_the_binding_by_its_own_names(stage):
+    """kdalab.chunk_kda's backward calls the GPU build's bwd with 23 arguments in order and the packed sequences'
+    by name; the binding's signature (pybind's, read from the build compiled here) must take exactly that. (The CPU
+    models of the binding take any name, so only this test sees a keyword the binding does not have.)"""
+    import inspect
+    import re
+
+    from kdalab import op
+
+    doc = stage.build().bwd.__doc__
+    params = re.findall(r"(\w+): ", doc.splitlines()[0])
+    src = inspect.getsource(op)  # the module: chunk_kda_bwd is a CustomOpDef
+    call = src[src.index("_backward_extension().bwd("):]
+    call = call[:call.index(")\n")]
+    keywords = re.findall(r"(\w+)=", call)
+    positional = call.split("(", 1)[1].split("cu_seqlens=")[0].count(",")
+    assert positional == 23 and params[:23][-1] == "prof", (positional, params)
+    assert keywords and all(k in params[23:] for k in keywords), (keywords, params)
+
+
 def test_the_op_trains_on_these_kernels(stage, monkeypatch):
     """kdalab.chunk_kda in training with this backward's source (the emulator in place of the GPU build, the
     forward an fp64 model): its gradients are the kernels' own, rounded to the inputs' dtypes, bit for bit;
