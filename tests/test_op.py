@@ -803,7 +803,8 @@ def test_the_gradient_test_catches_a_lost_argument(ext):
     for wrong in (dict(state_v_first=False), dict(scale=1.0), dict(gate_id=1, lower_bound=-5.0), dict(dht=None),
                   dict(cu_seqlens=torch.tensor([0, 9, 20, 30, 50], dtype=torch.int32))):
         def bwd(*a, _w=wrong, _bwd=model.bwd, **k):
-            return _bwd(*a, **dict(k, **_w))
+            named = inspect.signature(_bwd).bind(*a, **k).arguments
+            return _bwd(**dict(named, **_w))
 
         with pytest.MonkeyPatch.context() as m:
             m.setattr(model, "bwd", bwd)
