@@ -304,8 +304,8 @@ def _step_grads(fn, kw, seed=1):
 
 
 def _fp64_grads(kw, seed=1):
-    """The same by autograd through the fp64 token loop, sequence by sequence, on the same bf16 values (o rounded
-    to bf16 as the op returns it, so that both cotangents are the same)."""
+    """The same by autograd through the fp64 token loop, sequence by sequence, on the same bf16 values held in fp64
+    (o rounded to bf16 as the op returns it, so that both cotangents are the same)."""
     gate = "softplus" if kw.get("lower_bound") is None else "bounded"
     H, K = kw["q"].shape[2:]
 
@@ -335,8 +335,7 @@ def _fp64_grads(kw, seed=1):
             S = S.transpose(-1, -2)
         return o.to(torch.bfloat16), (S if output_final_state else None)
 
-    wide = {n: (t.double() if n in ("A_log", "dt_bias", "initial_state") and t is not None else t)
-            for n, t in kw.items()}
+    wide = {n: (t.double() if n in GRADS and t is not None else t) for n, t in kw.items()}  # the same values
     return _step_grads(ref, wide, seed)
 
 
