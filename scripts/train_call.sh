@@ -13,7 +13,8 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 KDALAB_BUILD=/tmp
 mkdir -p $OUT; t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
 log "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass*.whl
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla_core*.whl .whl/einops*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla_core*.whl .whl/einops*.whl \
+  $(ls .whl/flash_linear_attention*.whl 2>/dev/null)  # fla.layers: FLA's KimiDeltaAttention
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site_fla:${PYTHONPATH:-}
 ( timeout 300 python3 -c "from common.stages import load_stage; load_stage('12').build()" > $OUT/build_12.txt 2>&1
   log "build 12 rc=$?" ) &
@@ -36,6 +37,8 @@ bench() {
 if [ "${FLA:-0}" = 1 ]; then
   bench ""
   tests "${TESTS_K:-trains}"
+  timeout ${LAYER_TIMEOUT:-150} python3 scripts/bench_op.py --train --heads ${LAYER_HEADS:-32} --T 4096 --reps 10 \
+    --out $OUT/layer_train.json 2>&1 | tee -a $OUT/log.txt; log "layer rc=$?"  # FLA's layer trained through the backend
 else
   tests "${TESTS_K:-training}"
   bench "--no-fla $(for v in ${VARIANTS:-no_pad fp32_states}; do printf -- '--variant %s ' $v; done)"
