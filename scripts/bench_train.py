@@ -123,6 +123,13 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - recorded, the next side runs
                     row = dict(side=name, error=f"{type(e).__name__}: {str(e)[:300]}")
                 row.update(B=B, T=T, H=H, K=K, V=K, gate=gate)
+                if name.startswith("kdalab"):  # what the backward allocates, by stage.backward_bytes
+                    from common.stages import load_next
+                    from kdalab import op
+
+                    fp32_states = variants.get(name) == "fp32_states"
+                    row["bwd_bytes_declared_mb"] = load_next(op.BACKWARD).backward_bytes(
+                        B, T, H, K, states_bytes=4 if fp32_states else 2)["total"] / 1e6
                 if name != "kdalab" and "kdalab" in got and name in got:  # FLA's, or a variant's
                     row["grad_rel_err_vs_kdalab"] = {n: rel_err(a, b) for n, a, b in zip(NAMES, got[name],
                                                                                          got["kdalab"])}

@@ -240,3 +240,19 @@ def test_the_op_trains_on_these_kernels(stage, monkeypatch):
     want["initial_state"] = want["initial_state"].transpose(-1, -2)
     for n, t in leaves.items():
         assert torch.equal(t.grad, want[n].to(t.dtype)), f"d{n}: {rel_err(t.grad, want[n]):.2e}"
+
+
+def test_the_declared_bytes_are_the_workspace(stage):
+    """stage.backward_bytes (the chapter's table of what is kept, and bench_train's prediction of the peak) against
+    the tensors the kernels are given (the emulator allocates them as the binding does), at a case with a tail."""
+    B, T, H, K, gate, lb, h0, seed = CASES[0]
+    kw, do, dht = _case(*CASES[0])
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht)
+    want = stage.backward_bytes(B, T, H, K)["workspace"]
+    nbytes = {n: got[n].numel() * got[n].element_size() for n in ("qd", "kr", "w", "u", "Aqk", "el", "states",
+                                                                    "dstates", "vcorr", "dvcorr")}
+    assert want["qd, kr, w (fp32)"] == nbytes["qd"] + nbytes["kr"] + nbytes["w"]
+    assert want["u (fp32)"] == nbytes["u"]
+    assert want["Aqk, exp(glast) (fp32)"] == nbytes["Aqk"] + nbytes["el"]
+    assert want["entry states, exit gradients"] == nbytes["states"] + nbytes["dstates"]
+    assert want["vcorr, dvcorr (fp32)"] == nbytes["vcorr"] + nbytes["dvcorr"]

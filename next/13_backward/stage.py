@@ -139,6 +139,25 @@ class EmulatedExtension:
             dh0.copy_(k_first(out[6]))
 
 
+def backward_bytes(B, T, H, K, *, states_bytes=2, grads_bytes=2) -> dict:
+    """What the backward allocates at a shape (N = B sequences of T tokens, K = V), by tensor, in bytes: the
+    workspace that lives between its kernels (binding.cpp bwd_impl), per chunk of 16 tokens and head, and the
+    gradients it writes (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). The states are
+    bf16 (``states_bytes`` 4: the fp32_states build). Nothing of the forward is kept but its inputs."""
+    slots = B * H * (-(-T // 16))
+    f32 = 4
+    work = {
+        "qd, kr, w (fp32)": 3 * slots * 16 * K * f32,
+        "u (fp32)": slots * 16 * K * f32,
+        "Aqk, exp(glast) (fp32)": slots * (16 * 16 + K) * f32,
+        "entry states, exit gradients": 2 * slots * K * K * states_bytes,
+        "vcorr, dvcorr (fp32)": 2 * slots * 16 * K * f32,
+        "dA_log's and ddt_bias's parts (fp32)": B * T * H * f32 + slots * K * f32,
+    }
+    grads = {"dq, dk, dv, dg": 4 * B * T * H * K * grads_bytes, "dbeta": B * T * H * grads_bytes}
+    return dict(workspace=work, gradients=grads, total=sum(work.values()) + sum(grads.values()))
+
+
 # The backward's variants, each a build of its own timed beside the stage's (scripts/bench_train.py --variant):
 # name -> the preprocessor define that turns one change off.
 BACKWARD_VARIANTS = {
