@@ -578,20 +578,7 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.dstates = reinterpret_cast<kda_state_t*>(dstates.data_ptr());
   p.vcorr = vcorr.data_ptr<float>();
   p.dvcorr = dvcorr.data_ptr<float>();
-  if (grads_bf16) {
-    auto bf = [](torch::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); };
-    p.dq_bf = bf(dq);
-    p.dk_bf = bf(dk);
-    p.dv_bf = bf(dv);
-    p.dg_bf = bf(dg);
-    p.dbeta_bf = bf(dbeta);
-  } else {
-    p.dq = dq.data_ptr<float>();
-    p.dk = dk.data_ptr<float>();
-    p.dv = dv.data_ptr<float>();
-    p.dg = dg.data_ptr<float>();
-    p.dbeta = dbeta.data_ptr<float>();
-  }
+  kda_bwd_set_grads(p, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dg.data_ptr(), dbeta.data_ptr(), grads_bf16);
   p.ddt_part = ddt_part.data_ptr<float>();
   p.dAlog_part = dAlog_part.data_ptr<float>();
   p.dh0 = present(dh0) ? dh0_k.data_ptr<float>() : nullptr;

@@ -107,20 +107,7 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.dstates = reinterpret_cast<kda_state_t*>(dst.data_ptr());
   p.vcorr = vc.data_ptr<float>();
   p.dvcorr = dvc.data_ptr<float>();
-  if (grads_bf16) {
-    auto b = [](torch::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); };
-    p.dq_bf = b(dq);
-    p.dk_bf = b(dk);
-    p.dv_bf = b(dv);
-    p.dg_bf = b(dg);
-    p.dbeta_bf = b(dbeta);
-  } else {
-    p.dq = dq.data_ptr<float>();
-    p.dk = dk.data_ptr<float>();
-    p.dv = dv.data_ptr<float>();
-    p.dg = dg.data_ptr<float>();
-    p.dbeta = dbeta.data_ptr<float>();
-  }
+  kda_bwd_set_grads(p, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dg.data_ptr(), dbeta.data_ptr(), grads_bf16);
   p.ddt_part = ddt.data_ptr<float>();
   p.dAlog_part = dal.data_ptr<float>();
   p.dh0 = h0.has_value() ? dh0.data_ptr<float>() : nullptr;

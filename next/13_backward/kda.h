@@ -221,6 +221,23 @@ struct KdaBwdParams {
   float* dh0;                // [N, H, K, V] or nullptr
 };
 
+// The five per-token gradients' buffers: bf16 (grads_bf16) or fp32, the other set of pointers left null.
+inline void kda_bwd_set_grads(KdaBwdParams& p, void* dq, void* dk, void* dv, void* dg, void* dbeta, bool grads_bf16) {
+  if (grads_bf16) {
+    p.dq_bf = static_cast<__nv_bfloat16*>(dq);
+    p.dk_bf = static_cast<__nv_bfloat16*>(dk);
+    p.dv_bf = static_cast<__nv_bfloat16*>(dv);
+    p.dg_bf = static_cast<__nv_bfloat16*>(dg);
+    p.dbeta_bf = static_cast<__nv_bfloat16*>(dbeta);
+  } else {
+    p.dq = static_cast<float*>(dq);
+    p.dk = static_cast<float*>(dk);
+    p.dv = static_cast<float*>(dv);
+    p.dg = static_cast<float*>(dg);
+    p.dbeta = static_cast<float*>(dbeta);
+  }
+}
+
 // B1 prepare, B2 states, B3 reverse, B4 adjoint on `stream`; cudaErrorInvalidValue for sizes or a
 // gate the backward does not support.
 cudaError_t kda_bwd_launch(const KdaBwdParams& p, cudaStream_t stream);
