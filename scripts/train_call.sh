@@ -6,23 +6,24 @@
 # for minutes on the first call of each (H, K) family (../shared/DEVICE_NOTES.md): with FLA=1 the bench runs before
 # the tests, at H = 32, K = 128, so that the test that trains FLA's chunk_kda (same family) finds them tuned.
 # With LOSS=1, then the loss curves of a small model on FLA's kernels and on kdalab's (scripts/train_small.py).
-# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/loss.json, $OUT/log.txt.
+# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/loss.json, $OUT/layer_train.json, $OUT/bwd_details.csv,
+# $OUT/log.txt (the device returns at most 8 files: build logs and the ncu report stay in /tmp/train_call).
 # Device command: KDALAB_COMMIT=<commit> bash scripts/train_call.sh   (carry .whl: nvidia-cutlass, fla-core, einops)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 KDALAB_BUILD=/tmp/kb OUT=${OUT:-/tmp/kdalab-out}
-mkdir -p $OUT; t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
+B=/tmp/train_call; mkdir -p $OUT $B; t0=$(date +%s); log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
 log "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass*.whl
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl/fla_core*.whl .whl/einops*.whl \
   $(ls .whl/flash_linear_attention*.whl 2>/dev/null)  # fla.layers: FLA's KimiDeltaAttention
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site_fla:${PYTHONPATH:-}
-( timeout 300 python3 -c "from common.stages import load_stage; load_stage('12').build()" > $OUT/build_12.txt 2>&1
+( timeout 300 python3 -c "from common.stages import load_stage; load_stage('12').build()" > $B/build_12.txt 2>&1
   log "build 12 rc=$?" ) &
-( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build()" > $OUT/build_13.txt 2>&1
+( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build()" > $B/build_13.txt 2>&1
   log "build 13 rc=$?" ) &
 for v in ${VARIANTS:-no_pad fp32_states}; do  # the backward's variants (next/13_backward BACKWARD_VARIANTS), timed beside it
   ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build(variant='$v')" \
-      > $OUT/build_13_$v.txt 2>&1; log "build 13 $v rc=$?" ) &
+      > $B/build_13_$v.txt 2>&1; log "build 13 $v rc=$?" ) &
 done
 wait
 tests() {
@@ -48,9 +49,9 @@ if [ "${LOSS:-0}" = 1 ]; then  # loss curves of a small model, FLA's kernels and
     2>&1 | tee -a $OUT/log.txt; log "loss rc=$?"
 fi
 if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on the backward's kernels (B1, the chains, B4) at B1 T8192 H32
-  timeout ${NCU_TIMEOUT:-200} ncu --set full -k regex:kda_bwd -s 3 -c 3 -o $OUT/bwd python3 scripts/ncu_backward.py \
-    > $OUT/ncu.txt 2>&1; log "ncu rc=$?"
-  ncu -i $OUT/bwd.ncu-rep --page details --csv > $OUT/bwd_details.csv 2>&1
-  ncu -i $OUT/bwd.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Duration|Throughput|Occupancy|Registers|Warp Cycles|Stall|Shared Memory Config|Block Limit" \
+  timeout ${NCU_TIMEOUT:-200} ncu --set full -k regex:kda_bwd -s 3 -c 3 -o $B/bwd python3 scripts/ncu_backward.py \
+    > $B/ncu.txt 2>&1; log "ncu rc=$?"; tail -5 $B/ncu.txt >> $OUT/log.txt
+  ncu -i $B/bwd.ncu-rep --page details --csv > $OUT/bwd_details.csv 2>&1
+  ncu -i $B/bwd.ncu-rep --page details 2>&1 | grep -E "^  [a-z_]+|Duration|Throughput|Occupancy|Registers|Warp Cycles|Stall|Shared Memory Config|Block Limit" \
     | head -120 | tee -a $OUT/log.txt
 fi
