@@ -192,8 +192,16 @@ __device__ __forceinline__ size_t chunk_slot(const KdaBwdParams& p, int bh, int 
 // ---------------------------------------------------------------------------
 // B1: the chain operands of every chunk
 // ---------------------------------------------------------------------------
+// Blocks of B1 per SM that ptxas must leave registers for: 214 registers allow 2 (12.5% occupancy, Nsight Compute at
+// cc1f336); the variant builds "prep_3blocks" and "prep_4blocks" ask for 3 (168 registers, 88 bytes of spill) and 4
+// (128 registers, 416 bytes of spill), to be timed beside this one.
+#ifdef KDA_BWD_PREP_MIN_BLOCKS
+constexpr int kPrepMinBlocks = KDA_BWD_PREP_MIN_BLOCKS;
+#else
+constexpr int kPrepMinBlocks = 1;
+#endif
 template <int D>
-__global__ void __launch_bounds__(kPrepThreads) kda_bwd_prepare_kernel(const KdaBwdParams p) {
+__global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
   ChunkSmem<D>& s = *reinterpret_cast<ChunkSmem<D>*>(smem_raw);
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;

@@ -163,6 +163,9 @@ def backward_bytes(B, T, H, K, *, states_bytes=2, grads_bytes=2) -> dict:
 BACKWARD_VARIANTS = {
     "no_pad": "KDA_BWD_NO_PAD",  # rows of K floats in shared memory (16-way bank conflicts)
     "fp32_states": "KDA_BWD_STATES_FP32",  # the chains' states stored for B4 in fp32 (twice the bytes)
+    # candidates, not yet on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
+    "prep_3blocks": "KDA_BWD_PREP_MIN_BLOCKS=3",
+    "prep_4blocks": "KDA_BWD_PREP_MIN_BLOCKS=4",
 }
 
 
