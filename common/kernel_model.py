@@ -62,7 +62,7 @@ class ReferenceExtension:
                                pairwise=pairwise, u_halves=u_halves, deep_ring=deep_ring,
                                stage=self.stage))
         with torch.no_grad():
-            o_out, S_out = _model(q, k, v, g, beta, A_log, dt_bias, h0, scale=scale, gate_id=gate_id,
+            o_out, S_out = reference_outputs(q, k, v, g, beta, A_log, dt_bias, h0, scale=scale, gate_id=gate_id,
                                   lower_bound=lower_bound, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                   state_v_first=state_v_first, l2norm=l2norm, beta_mode=beta_mode,
                                   seq_lens=seq_lens)
@@ -88,7 +88,7 @@ class ReferenceExtension:
                   for t in (q, k, v, g, beta, A_log, dt_bias, h0)]
 
         def autograd():
-            o, S = _model(*leaves, scale=scale, gate_id=gate_id, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+            o, S = reference_outputs(*leaves, scale=scale, gate_id=gate_id, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
                           max_seqlen=max_seqlen, state_v_first=state_v_first, l2norm=True, beta_mode=1,
                           seq_lens=seq_lens)
             outs, cots = [o], [dout.detach().to("cpu", f64)]
@@ -108,7 +108,7 @@ class ReferenceExtension:
             buf.copy_(torch.zeros_like(leaf) if d is None else d)
 
 
-def _model(q, k, v, g, beta, A_log, dt_bias, h0, *, scale, gate_id, lower_bound, cu_seqlens, max_seqlen,
+def reference_outputs(q, k, v, g, beta, A_log, dt_bias, h0, *, scale, gate_id, lower_bound, cu_seqlens, max_seqlen,
            state_v_first, l2norm, beta_mode, seq_lens):
     """o [B, T, H, V] and the final states [N, H, K, V] (V-first: [N, H, V, K]) in fp64 on the CPU, as the
     binding's arguments mean them (the module's docstring); differentiable in every tensor."""

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import kdalab
+from common.contract import GATE_ID
 from common.inputs import make_inputs
+from common.kernel_model import reference_outputs
 from common.metrics import TOLERANCE, rel_err
 from common.reference import kda_reference
 from common.stages import load_stage
@@ -306,34 +308,17 @@ def _step_grads(fn, kw, seed=1):
 def _fp64_grads(kw, seed=1):
     """The same by autograd through the fp64 token loop, sequence by sequence, on the same bf16 values held in fp64
     (o rounded to bf16 as the op returns it, so that both cotangents are the same)."""
-    gate = "softplus" if kw.get("lower_bound") is None else "bounded"
     H, K = kw["q"].shape[2:]
+    lb = kw.get("lower_bound")
 
     def ref(q, k, v, g, beta, A_log, dt_bias, initial_state=None, cu_seqlens=None, state_v_first=False,
-            output_final_state=True, **_):
-        x = [t.double() for t in (q, k, v, g, beta)]
-        h0 = None if initial_state is None else initial_state.double()
-        if h0 is not None and state_v_first:
-            h0 = h0.transpose(-1, -2)
-        B, T = q.shape[:2]
-        spans = [(b, 0, T) for b in range(B)] if cu_seqlens is None else \
-            [(0, int(s), int(e)) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-        os_, Ss = [], []
-        for n, (b, s, e) in enumerate(spans):
-            h = None if h0 is None else h0[n:n + 1]
-            if e == s:
-                Ss.append(torch.zeros(1, H, K, K, dtype=torch.float64, device="cuda") if h is None else h)
-                continue
-            o, S = kda_reference(*[t[b:b + 1, s:e] for t in x], A_log=A_log.double(),
-                                 dt_bias=dt_bias.double().view(H, K), initial_state=h, gate=gate,
-                                 lower_bound=kw.get("lower_bound"), scale=kw.get("scale"))
-            os_.append(o)
-            Ss.append(S)
-        o = torch.cat(os_, 1 if cu_seqlens is not None else 0)
-        S = torch.cat(Ss)
-        if state_v_first:
-            S = S.transpose(-1, -2)
-        return o.to(torch.bfloat16), (S if output_final_state else None)
+            output_final_state=True, **_):  # the call as common.kernel_model's fp64 model of the kernel takes it
+        o, S = reference_outputs(q, k, v, g, beta, A_log, dt_bias.view(H, K), initial_state,
+                                 scale=kw.get("scale") or K ** -0.5, gate_id=GATE_ID["softplus" if lb is None else
+                                                                                     "bounded"],
+                                 lower_bound=lb or 0.0, cu_seqlens=None if cu_seqlens is None else cu_seqlens.int(),
+                                 max_seqlen=0, state_v_first=state_v_first, l2norm=True, beta_mode=1, seq_lens=())
+        return o.to(q.device, torch.bfloat16), (S.to(q.device) if output_final_state else None)
 
     wide = {n: (t.double() if n in GRADS and t is not None else t) for n, t in kw.items()}  # the same values
     return _step_grads(ref, wide, seed)
