@@ -77,6 +77,38 @@ def reverse_step(c: dict, dS_out, do):
     return dvcorr, dS
 
 
+def mma_chains(ws: dict, do, *, H: int, h0=None, dht=None) -> dict:
+    """The two chains as the tensor-core kernels take them (next/13_backward/chains_mma.cuh), from B1's operands
+    as the kernels hold them: ``ws`` qd, kr, w [slots, 16, K], u [slots, 16, V], Aqk [slots, 16, 16], el
+    [slots, K], slot (b H + h) NT + n, for B plain sequences of T tokens (do [B, T, H, V]). In float64 with every
+    mma operand rounded to bf16 where the kernels round it (the state, vcorr and dvcorr as B operands, each
+    chunk's operands as A), the states carried unrounded. Returns states, dstates [slots, K, V] (each chunk's
+    entry state and the gradient of its exit state), vcorr, dvcorr [slots, 16, V] and dh0 [B, H, K, V]."""
+    bf = lambda x: x.to(torch.bfloat16).double()  # noqa: E731
+    B, T, _, V = do.shape
+    K, NT = ws["qd"].shape[-1], -(-T // 16)
+    op = {n: ws[n].double().reshape(B, H, NT, *ws[n].shape[1:]) for n in ("qd", "kr", "w", "u", "Aqk", "el")}
+    dop = F.pad(do.double(), (0, 0, 0, 0, 0, NT * 16 - T)).reshape(B, NT, 16, H, V).permute(0, 3, 1, 2, 4)
+    zero = torch.zeros(B, H, K, V, dtype=torch.float64)
+    out = {n: [None] * NT for n in ("states", "dstates", "vcorr", "dvcorr")}
+    S = zero if h0 is None else h0.double()
+    for n in range(NT):
+        out["states"][n] = S
+        vc = op["u"][:, :, n] - bf(op["w"][:, :, n]) @ bf(S)
+        out["vcorr"][n] = vc
+        S = op["el"][:, :, n, :, None] * S + bf(op["kr"][:, :, n]).transpose(-1, -2) @ bf(vc)
+    dS = zero if dht is None else dht.double()
+    for n in range(NT - 1, -1, -1):
+        out["dstates"][n] = dS
+        d = bf(dop[:, :, n])
+        dv = bf(op["kr"][:, :, n]) @ bf(dS) + bf(op["Aqk"][:, :, n]).transpose(-1, -2) @ d
+        out["dvcorr"][n] = dv
+        dS = op["el"][:, :, n, :, None] * dS + bf(op["qd"][:, :, n]).transpose(-1, -2) @ d \
+            - bf(op["w"][:, :, n]).transpose(-1, -2) @ bf(dv)
+    res = {n: torch.stack(x, 2).reshape(B * H * NT, *x[0].shape[2:]) for n, x in out.items()}
+    return dict(res, dh0=dS)
+
+
 def chunk_adjoint(c: dict, S, dS_out, do) -> dict:
     """The chunk's gradients (kernel 3) from its entry state S, the exit gradient dS_out and do:
     dq, dk, da [B, H, n, K], dv [B, H, n, V], dbeta [B, H, n] (of the activated inputs)."""

@@ -127,7 +127,7 @@ def main(argv=None):
                     from common.stages import load_next
                     from kdalab import op
 
-                    fp32_states = variants.get(name) == "fp32_states"
+                    fp32_states = variants.get(name) in ("fp32_states", "exact")
                     row["bwd_bytes_declared_mb"] = load_next(op.BACKWARD).backward_bytes(
                         B, T, H, K, states_bytes=4 if fp32_states else 2)["total"] / 1e6
                 if name != "kdalab" and "kdalab" in got and name in got:  # FLA's, or a variant's

@@ -78,10 +78,10 @@ def kernel_rows(stage, case: Case) -> dict:
     inp = checks.case_inputs(case, "cpu", torch.bfloat16)
     do, dht = make_cotangents((case.B, case.T, case.H, case.V), (case.B, case.H, case.K, case.V), seed=case.seed)
     c = prepare(stage.SPEC, **{n: (x.cuda() if torch.is_tensor(x) else x) for n, x in inp.items()})
-    # the build that stores the states in fp32 where the stage has one (its own stores them in bf16): each kernel's
-    # output then carries fp32 round-off only, and a wrong element cannot hide in bf16's rounding
+    # the stage's "exact" build where it has one (its own takes the chains on bf16 MMAs and stores the states in
+    # bf16): each kernel's output then carries fp32 round-off only, and a wrong element cannot hide in bf16's rounding
     variants = getattr(stage, "BACKWARD_VARIANTS", {})
-    ext = stage.build(variant="fp32_states") if "fp32_states" in variants else stage.build()
+    ext = stage.build(variant="exact") if "exact" in variants else stage.build()
     ws = ext.bwd_workspace(c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state, c.scale,
                                      c.gate_id, c.lower_bound, do.cuda(), dht.cuda())
     names = ("qd", "kr", "w", "u", "Aqk", "el", "states", "dstates", "vcorr", "dvcorr")

@@ -21,8 +21,8 @@ for s in 13 12 04; do
   ( timeout 300 python3 -c "from common.stages import load_stage; load_stage('$s').build()" > $OUT/build_$s.txt 2>&1
     log "build $s rc=$?" ) &
 done
-( timeout 300 python3 -c "from common.stages import load_stage; load_stage('13').build(variant='fp32_states')" \
-    > $OUT/build_13_fp32_states.txt 2>&1; log "build 13 fp32_states rc=$?" ) &  # the kernels' check (--kernels)
+( timeout 300 python3 -c "from common.stages import load_stage; load_stage('13').build(variant='exact')" \
+    > $OUT/build_13_exact.txt 2>&1; log "build 13 exact rc=$?" ) &  # the kernels' check (--kernels)
 wait
 tail -3 $OUT/build_13.txt | tee -a $OUT/log.txt
 timeout ${QUICK_TIMEOUT:-200} python3 scripts/check_backward.py --stage 13 --kernels --quick --out $OUT/bwd_quick.json \

@@ -21,7 +21,7 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/site_fla:${PYTHONPATH:-}
   log "build 12 rc=$?" ) &
 ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build()" > $B/build_13.txt 2>&1
   log "build 13 rc=$?" ) &
-for v in ${VARIANTS:-no_pad fp32_states}; do  # the backward's variants (next/13_backward BACKWARD_VARIANTS), timed beside it
+for v in ${VARIANTS:-fp32_chains}; do  # the backward's variants (next/13_backward BACKWARD_VARIANTS), timed beside it
   ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build(variant='$v')" \
       > $B/build_13_$v.txt 2>&1; log "build 13 $v rc=$?" ) &
 done
@@ -42,7 +42,7 @@ if [ "${FLA:-0}" = 1 ]; then
     --out $OUT/layer_train.json 2>&1 | tee -a $OUT/log.txt; log "layer rc=$?"  # FLA's layer trained through the backend
 else
   tests "${TESTS_K:-training}"
-  bench "--no-fla $(for v in ${VARIANTS:-no_pad fp32_states}; do printf -- '--variant %s ' $v; done)"
+  bench "--no-fla $(for v in ${VARIANTS:-fp32_chains}; do printf -- '--variant %s ' $v; done)"
 fi
 if [ "${LOSS:-0}" = 1 ]; then  # loss curves of a small model, FLA's kernels and kdalab's, two seeds (H = 32, K = 128)
   timeout ${LOSS_TIMEOUT:-240} python3 scripts/train_small.py --steps ${LOSS_STEPS:-300} --out $OUT/loss.json \

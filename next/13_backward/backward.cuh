@@ -443,6 +443,15 @@ __global__ void __launch_bounds__(kChainThreads) kda_bwd_chains_kernel(const Kda
     reverse_chain<D>(p, s, blockIdx.x - chains);
 }
 
+}  // namespace bwd
+}  // namespace kda_stage
+
+// The same two chains on tensor cores: the stage's (the build with KDA_BWD_FP32_CHAINS runs the ones above)
+#include "chains_mma.cuh"
+
+namespace kda_stage {
+namespace bwd {
+
 // ---------------------------------------------------------------------------
 // B4: the chunk adjoint
 // ---------------------------------------------------------------------------

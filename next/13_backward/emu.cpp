@@ -29,7 +29,11 @@ template <int D>
 void launch_all(const KdaBwdParams& p) {
   const unsigned chunks = p.N * p.H * p.NT, chains = p.N * p.H * (D / kVTile);
   kda_emu::launch(chunks, kPrepThreads, sizeof(ChunkSmem<D>), [&] { kda_bwd_prepare_kernel<D>(p); });
+#ifdef KDA_BWD_FP32_CHAINS
   kda_emu::launch(2 * chains, kChainThreads, sizeof(ChainSmem<D>), [&] { kda_bwd_chains_kernel<D>(p); });
+#else
+  kda_emu::launch(2 * chains, kMmaChainThreads, sizeof(MmaChainSmem<D>), [&] { kda_bwd_chains_mma_kernel<D>(p); });
+#endif
   kda_emu::launch(chunks, kAdjThreads, sizeof(AdjSmem<D>), [&] { kda_bwd_adjoint_kernel<D>(p); });
 }
 

@@ -286,8 +286,13 @@ cudaError_t launch_all(const KdaBwdParams& p, cudaStream_t stream) {
   const long long chunks = (long long)p.N * p.H * p.NT, chains = (long long)p.N * p.H * (D / kVTile);
   KDA_RETURN_IF_ERROR((launch_one<D, ChunkSmem<D>>("kda_bwd_prepare_kernel", kda_bwd_prepare_kernel<D>, chunks,
                                                    kPrepThreads, p, stream)));
+#ifdef KDA_BWD_FP32_CHAINS  // the variant build: the chains on the CUDA cores, in fp32
   KDA_RETURN_IF_ERROR((launch_one<D, ChainSmem<D>>("kda_bwd_chains_kernel", kda_bwd_chains_kernel<D>, 2 * chains,
                                                    kChainThreads, p, stream)));
+#else
+  KDA_RETURN_IF_ERROR((launch_one<D, MmaChainSmem<D>>("kda_bwd_chains_mma_kernel", kda_bwd_chains_mma_kernel<D>,
+                                                      2 * chains, kMmaChainThreads, p, stream)));
+#endif
   return launch_one<D, AdjSmem<D>>("kda_bwd_adjoint_kernel", kda_bwd_adjoint_kernel<D>, chunks, kAdjThreads, p,
                                    stream);
 }

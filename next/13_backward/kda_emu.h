@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -33,8 +34,11 @@ struct Block {
   std::barrier<>* block_barrier;
   std::vector<std::unique_ptr<std::barrier<>>>* warp_barriers;
   float* lanes;  // one slot per thread, for the shuffles
+  uint32_t* words;  // kWords per thread, for the warp-wide register exchanges (warp_exchange)
   unsigned char* smem;
 };
+
+constexpr int kWords = 8;
 
 inline thread_local dim3 thread_idx, block_idx, block_dim, grid_dim;
 inline thread_local Block* block;
@@ -48,9 +52,10 @@ void launch(unsigned grid, unsigned threads, size_t smem_bytes, Kernel&& kernel)
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     for (unsigned w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<std::barrier<>>(32));
     std::vector<float> lanes(threads);
+    std::vector<uint32_t> words((size_t)threads * kWords);
     std::unique_ptr<float[]> smem(new float[smem_bytes / sizeof(float) + 4]);
     std::memset(smem.get(), 0xff, smem_bytes);  // NaN in every float
-    Block b{&bar, &warps, lanes.data(), reinterpret_cast<unsigned char*>(smem.get())};
+    Block b{&bar, &warps, lanes.data(), words.data(), reinterpret_cast<unsigned char*>(smem.get())};
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (unsigned t = 0; t < threads; ++t) {
@@ -66,6 +71,12 @@ void launch(unsigned grid, unsigned threads, size_t smem_bytes, Kernel&& kernel)
     for (auto& th : pool) th.join();
   }
 }
+
+// A warp-wide exchange of registers, as mma.sync and movmatrix make one: each lane of the calling warp puts
+// its n (<= kWords) words, then every lane may read the warp's table (lane l's words at l * kWords) until it
+// calls warp_exchange_end.
+inline const uint32_t* warp_exchange(const uint32_t* mine, int n);
+inline void warp_exchange_end();
 
 }  // namespace kda_emu
 
@@ -86,4 +97,16 @@ inline float __shfl_xor_sync(unsigned /*mask: every lane*/, float v, int lane_ma
   const float r = b.lanes[w * 32 + (lane ^ (unsigned)lane_mask)];
   (*b.warp_barriers)[w]->arrive_and_wait();
   return r;
+}
+
+inline const uint32_t* kda_emu::warp_exchange(const uint32_t* mine, int n) {
+  kda_emu::Block& b = *kda_emu::block;
+  const unsigned t = threadIdx.x, w = t / 32;
+  std::memcpy(b.words + (size_t)t * kWords, mine, sizeof(uint32_t) * n);
+  (*b.warp_barriers)[w]->arrive_and_wait();
+  return b.words + (size_t)w * 32 * kWords;
+}
+inline void kda_emu::warp_exchange_end() {
+  kda_emu::Block& b = *kda_emu::block;
+  (*b.warp_barriers)[threadIdx.x / 32]->arrive_and_wait();
 }

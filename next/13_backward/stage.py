@@ -78,34 +78,35 @@ CUDA_FLAGS = [
 ]
 
 
-def build_emulator(verbose=False, fp32_states=False):
+def build_emulator(verbose=False, variant=None):
     """The backward's kernels compiled for the CPU (emu.cpp through kda_emu.h: a std::thread per
     CUDA thread), so that a machine without a GPU runs their source; a C++ compiler and the CUDA headers only.
-    ``fp32_states``: the chains' states stored for B4 in fp32 (KDA_BWD_STATES_FP32) instead of bf16, so that every
-    gradient is exact to fp32 round-off and a wrong index cannot hide in bf16's rounding."""
+    ``variant``: one of BACKWARD_VARIANTS, built as the GPU's variant is; "exact" (fp32 chains, fp32 states) makes
+    every gradient exact to fp32 round-off, so that a wrong index cannot hide in bf16's rounding."""
     from common.build import setup_cuda_home
 
+    defines = _variant_defines(variant)
     home = setup_cuda_home()
     if home is None:
         raise RuntimeError("the CUDA headers (cuda_bf16.h) were not found: set CUDA_HOME to the CUDA toolkit")
     flags = ["-std=c++20", "-pthread", "-Wno-unknown-pragmas", f"-I{home}/include"]
-    return load_extension(HERE, "emu_13_backward" + ("_fp32_states" if fp32_states else ""), ["emu.cpp"], cuda=False,
-                          verbose=verbose, extra_cflags=flags + (["-DKDA_BWD_STATES_FP32"] if fp32_states else []))
+    return load_extension(HERE, "emu_13_backward" + (f"_{variant}" if variant else ""), ["emu.cpp"], cuda=False,
+                          verbose=verbose, extra_cflags=flags + [f"-D{d}" for d in defines])
 
 
 def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
-                     lower_bound=None, do, dht=None, cu_seqlens=None, fp32_states=False, grads_bf16=False) -> dict:
+                     lower_bound=None, do, dht=None, cu_seqlens=None, variant=None, grads_bf16=False) -> dict:
     """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
     gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
     el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call. ``cu_seqlens``: packed
-    sequences (B = 1), the states then [N, H, K, V]. ``fp32_states``: build_emulator's. ``grads_bf16``: the per-token
+    sequences (B = 1), the states then [N, H, K, V]. ``variant``: build_emulator's. ``grads_bf16``: the per-token
     gradients written in bf16 by the kernels, as the op has them written."""
     from common.contract import check_gate
 
     gate, gate_id, lb = check_gate(gate, lower_bound)
     K = q.shape[-1]
     bf, f32 = (lambda t: t.to(torch.bfloat16).contiguous()), (lambda t: t.float().contiguous())
-    out = build_emulator(fp32_states=fp32_states).bwd(
+    out = build_emulator(variant=variant).bwd(
         bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias), None if initial_state is None else f32(initial_state),
         float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do), None if dht is None else f32(dht),
         None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous(), grads_bf16)
@@ -159,25 +160,35 @@ def backward_bytes(B, T, H, K, *, states_bytes=2, grads_bytes=2) -> dict:
 
 
 # The backward's variants, each a build of its own timed beside the stage's (scripts/bench_train.py --variant):
-# name -> the preprocessor define that turns one change off.
+# name -> the preprocessor defines that turn one change off.
 BACKWARD_VARIANTS = {
-    "no_pad": "KDA_BWD_NO_PAD",  # rows of K floats in shared memory (16-way bank conflicts)
-    "fp32_states": "KDA_BWD_STATES_FP32",  # the chains' states stored for B4 in fp32 (twice the bytes)
+    "no_pad": ("KDA_BWD_NO_PAD",),  # rows of K floats in shared memory (16-way bank conflicts)
+    "fp32_states": ("KDA_BWD_STATES_FP32",),  # the chains' states stored for B4 in fp32 (twice the bytes)
+    "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     # candidates, not yet on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
-    "prep_3blocks": "KDA_BWD_PREP_MIN_BLOCKS=3",
-    "prep_4blocks": "KDA_BWD_PREP_MIN_BLOCKS=4",
+    "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
+    "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
+    # not a change but the reference build: every product and stored state in fp32, so that each kernel's output
+    # is the fp64 model's to fp32 round-off (scripts/check_backward.py --kernels, tests/test_backward_emu.py)
+    "exact": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_CHAINS"),
 }
+
+
+def _variant_defines(variant) -> tuple:
+    if variant is None:
+        return ()
+    if variant not in BACKWARD_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(BACKWARD_VARIANTS)}, got {variant!r}")
+    return BACKWARD_VARIANTS[variant]
 
 
 def build(profile=False, verbose=False, ablation=None, variant=None):
     """Compile (or load the cached build of) this stage's extension; ``ablation``
     names one of ABLATIONS to build with that idea turned off, ``variant`` one of BACKWARD_VARIANTS."""
     if variant is not None:
-        if variant not in BACKWARD_VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(BACKWARD_VARIANTS)}, got {variant!r}")
         return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
                               extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, variant=variant,
-                              defines=(BACKWARD_VARIANTS[variant],))
+                              defines=_variant_defines(variant))
     return load_extension(HERE, SPEC.name, SOURCES, cuda=True, cutlass=True, profile=profile,
                           extra_cuda_cflags=CUDA_FLAGS, verbose=verbose, **ablation_build_args(ABLATIONS, ablation))
 
