@@ -462,7 +462,7 @@ constexpr int kSTile = 16;  // columns of S and dS per tile in B4
 template <int D>
 struct AdjSmem {
   ChunkSmem<D> ch;
-  float dout[BT][D], vc[BT][D + kPad], dvc[BT][D];  // do, vcorr, dvcorr (V = D columns; vc read row by lane)
+  float dout[BT][D + kOpPad], vc[BT][D + kPad], dvc[BT][D + kOpPad];  // do, vcorr, dvcorr (V = D columns; vc read row by lane)
   float dqd[BT][D], dkr[BT][D], dw[BT][D];   // the gradients of the chain operands
   union {
     struct {
@@ -482,33 +482,18 @@ struct AdjSmem {
 // Two blocks per SM on sm_90 (228 KB of shared memory per SM, 1 KB of it reserved per block).
 static_assert(2 * (sizeof(AdjSmem<128>) + 1024) <= 228 * 1024, "B4 no longer fits two blocks per SM at K = 128");
 
+// dqd = do S^T, dw = -dvcorr S^T, dkr = vcorr dS^T, dgl = e^glast rowsum(S * dS) on the CUDA cores, in fp32 (the
+// variant build fp32_adjoint; the stage's own takes the three products on tensor cores, state_products_mma).
 template <int D>
-__global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
-  KDA_DYNAMIC_SMEM(smem_raw);
-  AdjSmem<D>& s = *reinterpret_cast<AdjSmem<D>*>(smem_raw);
-  const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
-  const Span sq = span_of(p, bh / p.H);
-  const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
-  if (len <= 0) return;  // past the sequence's end: the whole block
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  load_chunk<D, kAdjThreads>(p, bh, n, s.ch);
-  ChunkSmem<D>& ch = s.ch;
-  const size_t slot = chunk_slot(p, bh, n);
-  for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
-    const int c = idx / D, d = idx % D;
-    s.dout[c][d] = c < len ? p.dout[(((size_t)sq.bos + t0 + c) * p.H + h) * D + d] : 0.f;
-    s.vc[c][d] = p.vcorr[slot * BT * D + idx];
-    s.dvc[c][d] = p.dvcorr[slot * BT * D + idx];
-  }
-  // dqd = do S^T, dw = -dvcorr S^T, dkr = vcorr dS^T, dgl = rowsum(S * dS): thread (grp, d) takes
-  // the rows c = grp, grp + G, ... of its key row d, over 32-column tiles of S and dS
+__device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
+                                   const kda_state_t* dS) {
+  const int tid = threadIdx.x;
+  // thread (grp, d) takes the rows c = grp, grp + G, ... of its key row d, over 16-column tiles of S and dS
   constexpr int G = kAdjThreads / D;
   const int d = tid % D, grp = tid / D;
   float aq[BT / G], aw[BT / G], ar[BT / G], agl = 0.f;
 #pragma unroll
   for (int m = 0; m < BT / G; ++m) aq[m] = aw[m] = ar[m] = 0.f;
-  const kda_state_t* S = p.states + slot * D * D;
-  const kda_state_t* dS = p.dstates + slot * D * D;
   for (int j0 = 0; j0 < D; j0 += kSTile) {
     __syncthreads();
     for (int idx = tid; idx < D * kSTile; idx += kAdjThreads) {
@@ -537,6 +522,91 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     s.dkr[c][d] = ar[m];
   }
   if (grp == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * agl;
+}
+
+// A word of two adjacent state elements (x[0] low), bf16 as the B operand of an MMA takes them.
+__device__ __forceinline__ uint32_t state_word(const kda_state_t* x) {
+#ifdef KDA_BWD_STATES_FP32
+  return pack_bf16(x[0], x[1]);
+#else
+  uint32_t w;
+  memcpy(&w, x, sizeof w);
+  return w;
+#endif
+}
+
+// The same on tensor cores. Each product is [16, V] x [V, K] with the state read as stored, [K, V] with V
+// contiguous: row d of S is column d of the B operand, two adjacent v in one word, so its fragments come straight
+// from memory (b[0] = S[d][2t..2t+1], b[1] = S[d][2t+8..2t+9] of the 16 v of a k-block). Warp w takes the key rows
+// d of its D / 8 columns; do, dvcorr and vcorr are the A operands, rounded to bf16 as they are read.
+template <int D>
+__device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
+                                   const kda_state_t* dS) {
+  constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
+  static_assert(kAdjThreads == 256, "eight warps split the key rows");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  __syncthreads();  // do, vcorr, dvcorr are in
+  float aq[NTW][4] = {}, aw[NTW][4] = {}, ar[NTW][4] = {};
+#pragma unroll 2
+  for (int kb = 0; kb < D / 16; ++kb) {
+    uint32_t a_do[4], a_dv[4], a_vc[4];
+    a_frag<D + kOpPad, 1>(&s.dout[0][0], 0, 16 * kb, 1.f, a_do);
+    a_frag<D + kOpPad, 1>(&s.dvc[0][0], 0, 16 * kb, -1.f, a_dv);
+    a_frag<D + kPad, 1>(&s.vc[0][0], 0, 16 * kb, 1.f, a_vc);
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+      const size_t row = (size_t)(8 * (NTW * warp + j) + g) * D + 16 * kb + 2 * t;
+      const uint32_t bS[2] = {state_word(S + row), state_word(S + row + 8)};
+      const uint32_t bdS[2] = {state_word(dS + row), state_word(dS + row + 8)};
+      mma_bf16(aq[j], a_do, bS);
+      mma_bf16(aw[j], a_dv, bS);
+      mma_bf16(ar[j], a_vc, bdS);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NTW; ++j)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int c = acc_row(0, v), d = 8 * (NTW * warp + j) + acc_col(0, v);
+      s.dqd[c][d] = aq[j][v];
+      s.dw[c][d] = aw[j][v];
+      s.dkr[c][d] = ar[j][v];
+    }
+  // dgl = e^glast rowsum(S * dS): a warp per key row, its lanes along v
+  for (int d = warp; d < D; d += kAdjThreads / 32) {
+    float acc = 0.f;
+    for (int v = lane; v < D; v += 32) acc += from_state(S[(size_t)d * D + v]) * from_state(dS[(size_t)d * D + v]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * acc;
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
+  KDA_DYNAMIC_SMEM(smem_raw);
+  AdjSmem<D>& s = *reinterpret_cast<AdjSmem<D>*>(smem_raw);
+  const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
+  const Span sq = span_of(p, bh / p.H);
+  const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
+  if (len <= 0) return;  // past the sequence's end: the whole block
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  load_chunk<D, kAdjThreads>(p, bh, n, s.ch);
+  ChunkSmem<D>& ch = s.ch;
+  const size_t slot = chunk_slot(p, bh, n);
+  for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
+    const int c = idx / D, d = idx % D;
+    s.dout[c][d] = c < len ? p.dout[(((size_t)sq.bos + t0 + c) * p.H + h) * D + d] : 0.f;
+    s.vc[c][d] = p.vcorr[slot * BT * D + idx];
+    s.dvc[c][d] = p.dvcorr[slot * BT * D + idx];
+  }
+  const kda_state_t* S = p.states + slot * D * D;
+  const kda_state_t* dS = p.dstates + slot * D * D;
+#ifdef KDA_BWD_FP32_ADJOINT
+  state_products_fp32<D>(s, ch, S, dS);
+#else
+  state_products_mma<D>(s, ch, S, dS);
+#endif
   __syncthreads();  // the tiles are done with: kd takes their place
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
     const int c = idx / D, e = idx % D;
