@@ -14,10 +14,11 @@
 //        gradients through o, the state update, the WY transform, the two 16 x 16 products and
 //        the decays, then through the pre-stage (l2norm, sigmoid, the gate) to the raw inputs.
 //
-// Every product here is fp32 on the CUDA cores and every decay is taken pair by pair
-// (exp(gc_c - gc_i) <= 1 for i <= c), so no gate overflows: this first backward is the
-// reference the tensor-core kernels are checked against. B2 and B3 need only B1's operands: one
-// launch runs both (kda_bwd_chains_kernel), side by side on different SMs.
+// Every decay is taken pair by pair (exp(gc_c - gc_i) <= 1 for i <= c), so no gate overflows. The
+// chains and B4's products with the states run on tensor cores (chains_mma.cuh, state_products_mma);
+// their first versions, every product fp32 on the CUDA cores, are here too: the "exact" build
+// (stage.py BACKWARD_VARIANTS) runs them, the reference the tensor-core kernels are checked against.
+// B2 and B3 need only B1's operands: one launch runs both, side by side on different SMs.
 #pragma once
 
 #ifndef KDA_DYNAMIC_SMEM  // kda_emu.h, which runs these kernels on the CPU, has its own
