@@ -71,6 +71,26 @@ def test_every_gradient_is_autograd_at_fp32_roundoff(stage, case):
         assert rel_err(got[n], ref[n]) <= TOL, f"d{n}: {rel_err(got[n], ref[n]):.2e}"
 
 
+def test_chunks_too_wide_to_factor_go_pair_by_pair(stage):
+    """B1 and B4 take the pair sums factored (e^{gc_c} e^{-gc_i}) where every key dimension of a chunk decays by at
+    most kFactoredRange = 80, and pair by pair where one decays by more: a case with both kinds of chunk (the softplus
+    gate, head 1's A = exp(A_log) 20 times the drawn one) is autograd at fp32 round-off on the exact build."""
+    B, T, H, K, gate, lb = 1, 48, 2, 64, "softplus", None
+    kw, do, dht = _case(B, T, H, K, gate, lb, True, 7)
+    kw["A_log"] = kw["A_log"] + torch.tensor([0.0, math.log(20)])
+    x = {n: kw[n].double() for n in NAMES}
+    _, _, _, a = activate(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], gate=gate, lower_bound=lb)
+    glast = a.reshape(B, T // 16, 16, H, K).sum(2)  # each chunk's decay, per key dimension
+    wide = (glast < -80).any(-1)  # [B, chunks, H]
+    assert wide.any() and not wide.all(), "the case must have chunks of both kinds"
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht,
+                                 variant="exact")
+    ref = _reference(kw, do, dht, gate, lb)
+    for n in NAMES:
+        assert torch.isfinite(got[n]).all(), f"d{n} has a NaN"
+        assert rel_err(got[n], ref[n]) <= TOL, f"d{n}: {rel_err(got[n], ref[n]):.2e}"
+
+
 @pytest.mark.parametrize("gate,lb", [("softplus", None), ("bounded", -3.0)])
 def test_packed_sequences_are_each_sequence_alone(stage, gate, lb):
     """Packed sequences (cu_seqlens, B = 1): one empty, one shorter than a chunk, one of a chunk and a tail, each

@@ -49,6 +49,12 @@ struct ChunkSmem {
   float q[BT][D + kPad], k[BT][D + kPad], v[BT][D + kPad], gc[BT][D + kPad];
   float beta[BT], rq[BT], rk[BT];
   float kk[BT][BT + 1], qk[BT][BT + 1], X[BT][BT + 1];
+  float wide[8];  // per warp: 1 where a key dimension decays by more than kFactoredRange in the chunk
+};
+// The factored pair sums' operands (load_chunk): q e^gc, k e^gc and k e^-gc, only while the pair sums are taken.
+template <int D>
+struct PairScratch {
+  float qf[BT][D + kPad], kf[BT][D + kPad], kb[BT][D + kPad];
 };
 
 __device__ __forceinline__ float bf2f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -99,7 +105,7 @@ __device__ __forceinline__ float gate_of(const KdaBwdParams& p, float A, float x
 // Load and rebuild chunk n of pair bh (sequence bh / H, head bh % H) into s, with NTHR threads.
 // Tokens past the sequence's end are zero (k = q = v = 0, beta = 0, a = 0).
 template <int D, int NTHR>
-__device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s) {
+__device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s, PairScratch<D>& sc) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = bh % p.H;
   const Span sq = span_of(p, bh / p.H);
@@ -148,27 +154,61 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
     s.q[c][d] /= s.rq[c];
     s.k[c][d] /= s.rk[c];
   }
+  float wide = 0.f;  // 1 where one of this thread's key dimensions decays by more than kFactoredRange
   for (int d = tid; d < D; d += NTHR) {  // gc = cumsum(a) over the chunk
     float acc = 0.f;
     for (int c = 0; c < BT; ++c) {
       acc += s.gc[c][d];
       s.gc[c][d] = acc;
     }
+    if (acc < -kFactoredRange) wide = 1.f;
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wide = fmaxf(wide, __shfl_xor_sync(0xffffffffu, wide, o));
+  if (lane == 0) s.wide[warp] = wide;
   __syncthreads();
-  // the pair sums, one pair per thread (i <= c), every decay <= 1
-  for (int pr = tid; pr < BT * BT; pr += NTHR) {
-    const int c = pr / BT, i = pr % BT;
-    float kk = 0.f, qk = 0.f;
-    if (i <= c) {
-      for (int d = 0; d < D; ++d) {
-        const float dec = expf(s.gc[c][d] - s.gc[i][d]) * s.k[i][d];
-        kk += s.k[c][d] * dec;
-        qk += s.q[c][d] * dec;
-      }
+  for (int w = 0; w < NTHR / 32; ++w) wide = fmaxf(wide, s.wide[w]);
+#ifndef KDA_BWD_PAIRWISE_SUMS
+  if (wide == 0.f) {  // the whole block: every thread read the same flags
+    // the pair sums factored, as the forward's K1 takes them where a chunk allows:
+    // e^{gc_c - gc_i} = e^{gc_c} e^{-gc_i}, both in fp32's normal range (gc >= -kFactoredRange)
+    for (int idx = tid; idx < BT * D; idx += NTHR) {
+      const int c = idx / D, d = idx % D;
+      const float e = expf(s.gc[c][d]);
+      sc.qf[c][d] = s.q[c][d] * e;
+      sc.kf[c][d] = s.k[c][d] * e;
+      sc.kb[c][d] = s.k[c][d] * expf(-s.gc[c][d]);
     }
-    s.kk[c][i] = kk;
-    s.qk[c][i] = qk;
+    __syncthreads();
+    for (int pr = tid; pr < BT * BT; pr += NTHR) {
+      const int c = pr / BT, i = pr % BT;
+      float kk = 0.f, qk = 0.f;
+      if (i <= c) {
+        for (int d = 0; d < D; ++d) {
+          kk += sc.kf[c][d] * sc.kb[i][d];
+          qk += sc.qf[c][d] * sc.kb[i][d];
+        }
+      }
+      s.kk[c][i] = kk;
+      s.qk[c][i] = qk;
+    }
+  } else
+#endif
+  {
+    // the pair sums, one pair per thread (i <= c), every decay <= 1
+    for (int pr = tid; pr < BT * BT; pr += NTHR) {
+      const int c = pr / BT, i = pr % BT;
+      float kk = 0.f, qk = 0.f;
+      if (i <= c) {
+        for (int d = 0; d < D; ++d) {
+          const float dec = expf(s.gc[c][d] - s.gc[i][d]) * s.k[i][d];
+          kk += s.k[c][d] * dec;
+          qk += s.q[c][d] * dec;
+        }
+      }
+      s.kk[c][i] = kk;
+      s.qk[c][i] = qk;
+    }
   }
   __syncthreads();
   // X = (I + L)^-1, one column per thread: X[r][j] = -sum_{j <= m < r} L[r][m] X[m][j]
@@ -202,12 +242,18 @@ constexpr int kPrepMinBlocks = KDA_BWD_PREP_MIN_BLOCKS;
 constexpr int kPrepMinBlocks = 1;
 #endif
 template <int D>
+struct PrepSmem {
+  ChunkSmem<D> ch;
+  PairScratch<D> sc;
+};
+template <int D>
 __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
-  ChunkSmem<D>& s = *reinterpret_cast<ChunkSmem<D>*>(smem_raw);
+  PrepSmem<D>& sm = *reinterpret_cast<PrepSmem<D>*>(smem_raw);
+  ChunkSmem<D>& s = sm.ch;
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
   if (n * BT >= span_of(p, bh / p.H).len) return;  // past the sequence's end: the whole block
-  load_chunk<D, kPrepThreads>(p, bh, n, s);
+  load_chunk<D, kPrepThreads>(p, bh, n, s, sm.sc);
   const size_t slot = chunk_slot(p, bh, n);
   const int tid = threadIdx.x;
   for (int d = tid; d < D; d += kPrepThreads) {
@@ -463,12 +509,13 @@ constexpr int kSTile = 16;  // columns of S and dS per tile in B4
 template <int D>
 struct AdjSmem {
   ChunkSmem<D> ch;
-  float dout[BT][D + kOpPad], vc[BT][D + kPad], dvc[BT][D + kOpPad];  // do, vcorr, dvcorr (V = D columns; vc read row by lane)
+  float dout[BT][D + kPad], vc[BT][D + kPad], dvc[BT][D + kPad];  // do, vcorr, dvcorr (V = D columns, rows read by lane)
   float dqd[BT][D], dkr[BT][D], dw[BT][D];   // the gradients of the chain operands
   union {
     struct {
       float S[D][kSTile + 1], dS[D][kSTile + 1];  // a 16-column tile of S and of dS
     } tile;
+    PairScratch<D> pairs;    // load_chunk's
     float kd[BT][D + kPad];  // k e^gc, w's right operand (read row by lane)
     struct {
       float dq[BT][D], dk[BT][D];  // of the normalised q, k
@@ -551,8 +598,8 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
 #pragma unroll 2
   for (int kb = 0; kb < D / 16; ++kb) {
     uint32_t a_do[4], a_dv[4], a_vc[4];
-    a_frag<D + kOpPad, 1>(&s.dout[0][0], 0, 16 * kb, 1.f, a_do);
-    a_frag<D + kOpPad, 1>(&s.dvc[0][0], 0, 16 * kb, -1.f, a_dv);
+    a_frag<D + kPad, 1>(&s.dout[0][0], 0, 16 * kb, 1.f, a_do);
+    a_frag<D + kPad, 1>(&s.dvc[0][0], 0, 16 * kb, -1.f, a_dv);
     a_frag<D + kPad, 1>(&s.vc[0][0], 0, 16 * kb, 1.f, a_vc);
 #pragma unroll
     for (int j = 0; j < NTW; ++j) {
@@ -592,7 +639,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
   if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  load_chunk<D, kAdjThreads>(p, bh, n, s.ch);
+  load_chunk<D, kAdjThreads>(p, bh, n, s.ch, s.ph.pairs);
   ChunkSmem<D>& ch = s.ch;
   const size_t slot = chunk_slot(p, bh, n);
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {

@@ -17,6 +17,7 @@ namespace kda_stage {
 using std::min;
 constexpr int BT = 16;          // common.cuh's
 constexpr float kL2Eps = 1e-6f;  // common.cuh's
+constexpr float kFactoredRange = 80.f;  // common.cuh's
 }  // namespace kda_stage
 
 #include "backward.cuh"
@@ -28,7 +29,7 @@ using namespace kda_stage::bwd;
 template <int D>
 void launch_all(const KdaBwdParams& p) {
   const unsigned chunks = p.N * p.H * p.NT, chains = p.N * p.H * (D / kVTile);
-  kda_emu::launch(chunks, kPrepThreads, sizeof(ChunkSmem<D>), [&] { kda_bwd_prepare_kernel<D>(p); });
+  kda_emu::launch(chunks, kPrepThreads, sizeof(PrepSmem<D>), [&] { kda_bwd_prepare_kernel<D>(p); });
 #ifdef KDA_BWD_FP32_CHAINS
   kda_emu::launch(2 * chains, kChainThreads, sizeof(ChainSmem<D>), [&] { kda_bwd_chains_kernel<D>(p); });
 #else

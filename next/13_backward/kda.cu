@@ -284,7 +284,7 @@ cudaError_t launch_one(const char* name, Kernel* kernel, long long blocks, int t
 template <int D>
 cudaError_t launch_all(const KdaBwdParams& p, cudaStream_t stream) {
   const long long chunks = (long long)p.N * p.H * p.NT, chains = (long long)p.N * p.H * (D / kVTile);
-  KDA_RETURN_IF_ERROR((launch_one<D, ChunkSmem<D>>("kda_bwd_prepare_kernel", kda_bwd_prepare_kernel<D>, chunks,
+  KDA_RETURN_IF_ERROR((launch_one<D, PrepSmem<D>>("kda_bwd_prepare_kernel", kda_bwd_prepare_kernel<D>, chunks,
                                                    kPrepThreads, p, stream)));
 #ifdef KDA_BWD_FP32_CHAINS  // the variant build: the chains on the CUDA cores, in fp32
   KDA_RETURN_IF_ERROR((launch_one<D, ChainSmem<D>>("kda_bwd_chains_kernel", kda_bwd_chains_kernel<D>, 2 * chains,
