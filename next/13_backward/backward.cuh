@@ -711,12 +711,27 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     float dq[BT], dk[BT], dgc[BT];
 #pragma unroll
     for (int c = 0; c < BT; ++c) dq[c] = dk[c] = dgc[c] = 0.f;
+#ifndef KDA_BWD_PAIRWISE_SUMS
+    // row c of the pair decays e^{gc_c - gc_i} (i <= c), carried from row c - 1: each entry times e^{a_c} (<= 1, so
+    // nothing overflows), one exponential per token where each pair took its own
+    float dec_row[BT];
+#endif
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
       const float qc = ch.q[c][e], kc = ch.k[c][e], gcc = ch.gc[c][e];
+#ifndef KDA_BWD_PAIRWISE_SUMS
+      const float ea = c == 0 ? 1.f : expf(gcc - ch.gc[c - 1][e]);
+#pragma unroll
+      for (int i = 0; i < c; ++i) dec_row[i] *= ea;
+      dec_row[c] = 1.f;
+#endif
 #pragma unroll
       for (int i = 0; i <= c; ++i) {
+#ifndef KDA_BWD_PAIRWISE_SUMS
+        const float dec = dec_row[i], ki = ch.k[i][e];
+#else
         const float dec = expf(gcc - ch.gc[i][e]), ki = ch.k[i][e];
+#endif
         const float tk = s.dL[c][i] * ch.beta[c] * dec;  // dkk = dL beta_c
         const float tq = s.dAqk[c][i] * p.scale * dec;
         dk[c] += tk * ki;

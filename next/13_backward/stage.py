@@ -166,7 +166,7 @@ BACKWARD_VARIANTS = {
     "fp32_states": ("KDA_BWD_STATES_FP32",),  # the chains' states stored for B4 in fp32 (twice the bytes)
     "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     "fp32_adjoint": ("KDA_BWD_FP32_ADJOINT",),  # B4's products with the states on the CUDA cores, in fp32
-    "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # B1's and B4's pair sums pair by pair in every chunk
+    "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # every pair decay its own exponential (B1's and B4's pair sums, B4's pair terms)
     # candidates, not yet on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
