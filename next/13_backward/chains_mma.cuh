@@ -182,6 +182,7 @@ __device__ __forceinline__ void load_state(const float* src, int bh, int cw, flo
       for (int v = 0; v < 4; ++v)
         x[mt][nt][v] = src != nullptr ? src[state_at<D>(bh, acc_row(mt, v), cw + acc_col(nt, v))] : 0.f;
 }
+// Elements v and v + 1 of an accumulator tile are adjacent columns of one row: one 4-byte (bf16) or 8-byte (fp32) store.
 template <int D>
 __device__ __forceinline__ void store_state(kda_state_t* dst, int cw, const float (&x)[D / 16][2][4]) {
 #pragma unroll
@@ -189,7 +190,14 @@ __device__ __forceinline__ void store_state(kda_state_t* dst, int cw, const floa
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int v = 0; v < 4; ++v) dst[(size_t)acc_row(mt, v) * D + cw + acc_col(nt, v)] = to_state(x[mt][nt][v]);
+      for (int v = 0; v < 4; v += 2) {
+        kda_state_t* at = dst + (size_t)acc_row(mt, v) * D + cw + acc_col(nt, v);
+#ifdef KDA_BWD_STATES_FP32
+        *reinterpret_cast<float2*>(at) = make_float2(x[mt][nt][v], x[mt][nt][v + 1]);
+#else
+        *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(x[mt][nt][v], x[mt][nt][v + 1]);
+#endif
+      }
 }
 
 // x = diag(el) x: row d of the state scaled by el[d].
@@ -253,10 +261,11 @@ __device__ void states_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int 
 #pragma unroll
     for (int nt2 = 0; nt2 < 2; ++nt2)
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
+      for (int v = 0; v < 4; v += 2) {  // elements v, v + 1: adjacent columns
         const int c = acc_row(0, v), j = 16 * warp + acc_col(nt2, v);
         vc[nt2][v] = o.e[c][j] - vc[nt2][v];
-        p.vcorr[(slot * BT + c) * D + col0 + j] = vc[nt2][v];
+        vc[nt2][v + 1] = o.e[c][j + 1] - vc[nt2][v + 1];
+        *reinterpret_cast<float2*>(p.vcorr + (slot * BT + c) * D + col0 + j) = make_float2(vc[nt2][v], vc[nt2][v + 1]);
       }
     uint32_t vb[1][2][2];
     acc_to_b<1>(reinterpret_cast<const float(&)[1][2][4]>(vc), vb);
@@ -303,8 +312,9 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
 #pragma unroll
     for (int nt2 = 0; nt2 < 2; ++nt2)
 #pragma unroll
-      for (int v = 0; v < 4; ++v)
-        p.dvcorr[(slot * BT + acc_row(0, v)) * D + cw + acc_col(nt2, v)] = dv[nt2][v];
+      for (int v = 0; v < 4; v += 2)
+        *reinterpret_cast<float2*>(p.dvcorr + (slot * BT + acc_row(0, v)) * D + cw + acc_col(nt2, v)) =
+            make_float2(dv[nt2][v], dv[nt2][v + 1]);
     uint32_t dvb[1][2][2];
     acc_to_b<1>(reinterpret_cast<const float(&)[1][2][4]>(dv), dvb);
     decay_rows<D>(o.el, dS);
