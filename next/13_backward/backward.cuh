@@ -211,14 +211,18 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
     }
   }
   __syncthreads();
-  // X = (I + L)^-1, one column per thread: X[r][j] = -sum_{j <= m < r} L[r][m] X[m][j]
+  // X = (I + L)^-1, one column per thread: X[r][j] = -sum_{j <= m < r} L[r][m] X[m][j], the column kept in
+  // registers (xc[m] = 0 for m < j, so the sum may start at m = 0: the same value, with no loop bound that
+  // depends on j and no shared-memory round trip between one row's result and the next row's sum)
   if (tid < BT) {
     const int j = tid;
+    float xc[BT];
+#pragma unroll
     for (int r = 0; r < BT; ++r) {
       float x = r == j ? 1.f : 0.f;
-      if (r > j) {
-        for (int m = j; m < r; ++m) x -= s.beta[r] * s.kk[r][m] * s.X[m][j];
-      }
+#pragma unroll
+      for (int m = 0; m < r; ++m) x -= s.beta[r] * s.kk[r][m] * xc[m];
+      xc[r] = x;
       s.X[r][j] = x;
     }
   }
