@@ -123,6 +123,37 @@ def test_packed_sequences_are_each_sequence_alone(stage, gate, lb):
         assert rel_err(got[n], leaves[n].grad) <= TOL, f"d{n}: {rel_err(got[n], leaves[n].grad):.2e}"
 
 
+def test_the_shipped_build_packs_sequences_as_it_runs_them_alone(stage):
+    """The shipped build (tensor-core chains) on packed sequences, one empty, one shorter than a chunk, each with its
+    own h0: every per-token gradient and dh0 is, bit for bit, what the same build gives each sequence alone;
+    dA_log and ddt_bias (sums over the sequences, taken in another order) within fp32 round-off."""
+    lens = (7, 0, 20, 33)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    N, T, H, K = len(lens), sum(lens), 2, 64
+    kw = make_inputs(1, T, H, K, K, seed=8, dtype=torch.bfloat16, gate="softplus", h0=False, chunk_size=16)
+    gen = torch.Generator().manual_seed(9)
+    kw["initial_state"] = torch.randn(N, H, K, K, generator=gen) / 8
+    do, dht = make_cotangents((1, T, H, K), (N, H, K, K), seed=10)
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate="softplus", do=do, dht=dht, cu_seqlens=cu)
+    sums = {"A_log": 0.0, "dt_bias": 0.0}
+    for i in range(N):
+        s0, s1 = int(cu[i]), int(cu[i + 1])
+        if s1 == s0:  # nothing runs: dh0 is dht
+            assert torch.equal(got["initial_state"][i], dht[i]), "the empty sequence's dh0"
+            continue
+        part = {n: kw[n][:, s0:s1] for n in ("q", "k", "v", "g", "beta")}
+        alone = stage.emulate_backward(**part, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
+                                       initial_state=kw["initial_state"][i:i + 1], gate="softplus",
+                                       do=do[:, s0:s1], dht=dht[i:i + 1])
+        for n in ("q", "k", "v", "g", "beta"):
+            assert torch.equal(got[n][:, s0:s1], alone[n]), f"sequence {i}: d{n}"
+        assert torch.equal(got["initial_state"][i:i + 1], alone["initial_state"]), f"sequence {i}: dh0"
+        for n in sums:
+            sums[n] = sums[n] + alone[n]
+    for n, want in sums.items():
+        assert rel_err(got[n], want) <= 1e-6, f"d{n}: {rel_err(got[n], want):.2e}"
+
+
 def test_each_kernel_is_the_model(stage):
     """B1's operands, B2's entry states and vcorr, B3's exit gradients and dvcorr, chunk by chunk, against
     common/backward_model.py in fp64 (a tail chunk compared on its real tokens)."""
