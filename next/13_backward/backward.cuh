@@ -14,10 +14,10 @@
 //        gradients through o, the state update, the WY transform, the two 16 x 16 products and
 //        the decays, then through the pre-stage (l2norm, sigmoid, the gate) to the raw inputs.
 //
-// Every decay is taken pair by pair (exp(gc_c - gc_i) <= 1 for i <= c), so no gate overflows. The
-// chains and B4's products with the states run on tensor cores (chains_mma.cuh, state_products_mma);
-// their first versions, every product fp32 on the CUDA cores, are here too: the "exact" build
-// (stage.py BACKWARD_VARIANTS) runs them, the reference the tensor-core kernels are checked against.
+// No decay exceeds 1 (exp(gc_c - gc_i) for i <= c, factored only where a chunk's range allows), so no
+// gate overflows. The chains run on tensor cores (chains_mma.cuh); their first version, every product
+// fp32 on the CUDA cores, is here too: the "exact" build (stage.py BACKWARD_VARIANTS) runs it, the
+// reference the tensor-core kernels are checked against.
 // B2 and B3 need only B1's operands: one launch runs both, side by side on different SMs.
 #pragma once
 
@@ -534,8 +534,8 @@ struct AdjSmem {
 // Two blocks per SM on sm_90 (228 KB of shared memory per SM, 1 KB of it reserved per block).
 static_assert(2 * (sizeof(AdjSmem<128>) + 1024) <= 228 * 1024, "B4 no longer fits two blocks per SM at K = 128");
 
-// dqd = do S^T, dw = -dvcorr S^T, dkr = vcorr dS^T, dgl = e^glast rowsum(S * dS) on the CUDA cores, in fp32 (the
-// variant build fp32_adjoint; the stage's own takes the three products on tensor cores, state_products_mma).
+// dqd = do S^T, dw = -dvcorr S^T, dkr = vcorr dS^T, dgl = e^glast rowsum(S * dS) on the CUDA cores, in fp32, over
+// 16-column tiles of S and dS staged in shared memory.
 template <int D>
 __device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
                                    const kda_state_t* dS) {
@@ -587,7 +587,9 @@ __device__ __forceinline__ uint32_t state_word(const kda_state_t* x) {
 #endif
 }
 
-// The same on tensor cores. Each product is [16, V] x [V, K] with the state read as stored, [K, V] with V
+// The same on tensor cores: the variant build mma_adjoint, a candidate not turned on (with its fragments read
+// straight from global memory it made B4 5.07 ms against 4.39 on the CUDA cores at B1 T8192 H32 K128, an H100 at
+// 1465c4f: results/h100/stage13/train_1465c4f.json). Each product is [16, V] x [V, K] with the state read as stored, [K, V] with V
 // contiguous: row d of S is column d of the B operand, two adjacent v in one word, so its fragments come straight
 // from memory (b[0] = S[d][2t..2t+1], b[1] = S[d][2t+8..2t+9] of the 16 v of a k-block). Warp w takes the key rows
 // d of its D / 8 columns; do, dvcorr and vcorr are the A operands, rounded to bf16 as they are read.
@@ -654,10 +656,10 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   }
   const kda_state_t* S = p.states + slot * D * D;
   const kda_state_t* dS = p.dstates + slot * D * D;
-#ifdef KDA_BWD_FP32_ADJOINT
-  state_products_fp32<D>(s, ch, S, dS);
-#else
+#ifdef KDA_BWD_MMA_ADJOINT
   state_products_mma<D>(s, ch, S, dS);
+#else
+  state_products_fp32<D>(s, ch, S, dS);
 #endif
   __syncthreads();  // the tiles are done with: kd takes their place
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
