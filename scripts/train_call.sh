@@ -5,7 +5,8 @@
 # step (scripts/bench_train.py) at the shapes in TRAIN_SHAPES, beside FLA's with FLA=1. FLA's Triton kernels autotune
 # for minutes on the first call of each (H, K) family (../shared/DEVICE_NOTES.md): with FLA=1 the bench runs before
 # the tests, at H = 32, K = 128, so that the test that trains FLA's chunk_kda (same family) finds them tuned.
-# With LOSS=1, then the loss curves of a small model on FLA's kernels and on kdalab's (scripts/train_small.py).
+# With FLA_CHECK=1, then every gradient against fp64 beside FLA's error on the same inputs (scripts/check_backward.py
+# --quick --fla). With LOSS=1, then the loss curves of a small model on FLA's kernels and on kdalab's (scripts/train_small.py).
 # Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/loss.json, $OUT/layer_train.json, $OUT/bwd_details.csv,
 # $OUT/log.txt (the device returns at most 8 files: build logs and the ncu report stay in /tmp/train_call).
 # Device command: KDALAB_COMMIT=<commit> bash scripts/train_call.sh   (carry .whl: nvidia-cutlass, fla-core, einops)
@@ -21,6 +22,11 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/site_fla:${PYTHONPATH:-}
   log "build 12 rc=$?" ) &
 ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build()" > $B/build_13.txt 2>&1
   log "build 13 rc=$?" ) &
+if [ "${FLA_CHECK:-0}" = 1 ]; then  # check_backward loads the backward as a stage: stages/13_backward (this copy only)
+  [ -d stages/13_backward ] || cp -r next/13_backward stages/
+  ( timeout 300 python3 -c "from common.stages import load_stage; load_stage('13').build()" > $B/build_13_stage.txt 2>&1
+    log "build 13 (as a stage) rc=$?" ) &
+fi
 for v in ${VARIANTS:-fp32_chains}; do  # the backward's variants (next/13_backward BACKWARD_VARIANTS), timed beside it
   ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build(variant='$v')" \
       > $B/build_13_$v.txt 2>&1; log "build 13 $v rc=$?" ) &
@@ -43,6 +49,10 @@ if [ "${FLA:-0}" = 1 ]; then
 else
   tests "${TESTS_K:-training}"
   bench "--no-fla $(for v in ${VARIANTS:-fp32_chains}; do printf -- '--variant %s ' $v; done)"
+fi
+if [ "${FLA_CHECK:-0}" = 1 ]; then  # every gradient against fp64 beside FLA's error on the same inputs (quick cases)
+  timeout ${FLA_CHECK_TIMEOUT:-240} python3 scripts/check_backward.py --stage 13 --quick --fla --no-04 \
+    --out $OUT/bwd_fla.json 2>&1 | tail -40 | tee -a $OUT/log.txt; log "fla check rc=$?"
 fi
 if [ "${LOSS:-0}" = 1 ]; then  # loss curves of a small model, FLA's kernels and kdalab's, two seeds (H = 32, K = 128)
   timeout ${LOSS_TIMEOUT:-240} python3 scripts/train_small.py --steps ${LOSS_STEPS:-300} --out $OUT/loss.json \
