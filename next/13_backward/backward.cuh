@@ -337,9 +337,14 @@ __device__ __forceinline__ void copies_arrived() {
 
 constexpr int kChainThreads = kVTile * kChainWarps;
 
-template <int D>
-__device__ __forceinline__ void copy_rows(const float* src, float (&dst)[BT][D]) {
-  for (int v = threadIdx.x; v < BT * D / 4; v += kChainThreads) copy16(&dst[0][0] + 4 * v, src + 4 * v);
+// Rows 0 .. BT - 1 of a block W floats wide at src (rows src_ld floats apart) into dst (rows LD >= W floats long), by
+// NTHR threads, 16 bytes a copy. Both chain kernels' operand copies (the tensor-core one's rows are longer).
+template <int NTHR, int W, int LD>
+__device__ __forceinline__ void copy_rows(const float* src, float (&dst)[BT][LD], int src_ld = W) {
+  for (int v = threadIdx.x; v < BT * W / 4; v += NTHR) {
+    const int c = v / (W / 4), j = 4 * (v % (W / 4));
+    copy16(&dst[c][j], src + (size_t)c * src_ld + j);
+  }
 }
 
 // This thread's slice of a [K, V] state of pair bh (fp32, row-major), rows r0 .. r0 + D / 4 - 1, column col.
@@ -348,30 +353,27 @@ __device__ __forceinline__ size_t state_at(int bh, int row, int col) {
   return ((size_t)bh * D + row) * D + col;
 }
 
-// B2's operands of chunk `slot` (w, kr, el, u's 32 columns from col0) into `o`.
-template <int D>
-__device__ void issue_states(const KdaBwdParams& p, ChainOps<D>& o, size_t slot, int col0) {
-  copy_rows<D>(p.w + slot * BT * D, o.a);
-  copy_rows<D>(p.kr + slot * BT * D, o.b);
-  for (int v = threadIdx.x; v < D / 4; v += kChainThreads) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
-  for (int v = threadIdx.x; v < BT * kVTile / 4; v += kChainThreads) {
-    const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
-    copy16(&o.e[c][j], p.u + (slot * BT + c) * D + col0 + j);
-  }
+// B2's operands of chunk `slot` (w, kr, el, u's 32 columns from col0) into `o` (ChainOps or MmaChainOps), by NTHR
+// threads.
+template <int NTHR, int D, class Ops>
+__device__ void issue_states(const KdaBwdParams& p, Ops& o, size_t slot, int col0) {
+  copy_rows<NTHR, D>(p.w + slot * BT * D, o.a);
+  copy_rows<NTHR, D>(p.kr + slot * BT * D, o.b);
+  for (int v = threadIdx.x; v < D / 4; v += NTHR) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
+  copy_rows<NTHR, kVTile>(p.u + slot * BT * D + col0, o.e, D);
   copies_issued();
 }
 
 // B3's operands of chunk n of the sequence (kr, qd, w, el, Aqk, do's 32 columns from col0, zero past its end).
-template <int D>
-__device__ void issue_reverse(const KdaBwdParams& p, ChainOps<D>& o, size_t slot, const Span& sq, int h, int n,
-                              int col0) {
-  copy_rows<D>(p.kr + slot * BT * D, o.a);
-  copy_rows<D>(p.qd + slot * BT * D, o.b);
-  copy_rows<D>(p.w + slot * BT * D, o.c);
-  for (int v = threadIdx.x; v < D / 4; v += kChainThreads) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
-  for (int v = threadIdx.x; v < BT * BT / 4; v += kChainThreads) copy16(&o.aqk[0][0] + 4 * v, p.Aqk + slot * BT * BT + 4 * v);
+template <int NTHR, int D, class Ops>
+__device__ void issue_reverse(const KdaBwdParams& p, Ops& o, size_t slot, const Span& sq, int h, int n, int col0) {
+  copy_rows<NTHR, D>(p.kr + slot * BT * D, o.a);
+  copy_rows<NTHR, D>(p.qd + slot * BT * D, o.b);
+  copy_rows<NTHR, D>(p.w + slot * BT * D, o.c);
+  for (int v = threadIdx.x; v < D / 4; v += NTHR) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
+  copy_rows<NTHR, BT>(p.Aqk + slot * BT * BT, o.aqk);
   const int t0 = n * BT, len = min(BT, sq.len - t0);
-  for (int v = threadIdx.x; v < BT * kVTile / 4; v += kChainThreads) {
+  for (int v = threadIdx.x; v < BT * kVTile / 4; v += NTHR) {
     const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
     const bool real = c < len;
     copy16(&o.e[c][j], real ? p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + j : p.dout, real);
@@ -389,13 +391,13 @@ __device__ void states_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block) 
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = p.h0 != nullptr ? p.h0[state_at<D>(bh, r0 + r, col)] : 0.f;
   const int nt = (span_of(p, bh / p.H).len + BT - 1) / BT;  // this sequence's chunks
-  if (nt > 0) issue_states<D>(p, s.ops[0], chunk_slot(p, bh, 0), col0);
+  if (nt > 0) issue_states<kChainThreads, D>(p, s.ops[0], chunk_slot(p, bh, 0), col0);
   for (int n = 0; n < nt; ++n) {
     const size_t slot = chunk_slot(p, bh, n);
     ChainOps<D>& o = s.ops[n & 1];
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n - 1) is done
-    if (n + 1 < nt) issue_states<D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
+    if (n + 1 < nt) issue_states<kChainThreads, D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
     kda_state_t* st = p.states + slot * D * D;
 #pragma unroll
     for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = to_state(S[r]);
@@ -439,13 +441,13 @@ __device__ void reverse_chain(const KdaBwdParams& p, ChainSmem<D>& s, int block)
   float dS[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) dS[r] = p.dht != nullptr ? p.dht[state_at<D>(bh, r0 + r, col)] : 0.f;
-  if (nt > 0) issue_reverse<D>(p, s.ops[(nt - 1) & 1], chunk_slot(p, bh, nt - 1), sq, h, nt - 1, col0);
+  if (nt > 0) issue_reverse<kChainThreads, D>(p, s.ops[(nt - 1) & 1], chunk_slot(p, bh, nt - 1), sq, h, nt - 1, col0);
   for (int n = nt - 1; n >= 0; --n) {
     const size_t slot = chunk_slot(p, bh, n);
     ChainOps<D>& o = s.ops[n & 1];
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n + 1) is done
-    if (n > 0) issue_reverse<D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
+    if (n > 0) issue_reverse<kChainThreads, D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
     kda_state_t* st = p.dstates + slot * D * D;
 #pragma unroll
     for (int r = 0; r < R; ++r) st[(size_t)(r0 + r) * D + col] = to_state(dS[r]);

@@ -129,48 +129,6 @@ __device__ __forceinline__ void a_frag(const float* x, int r0, int k0, float sgn
 __device__ __forceinline__ int acc_row(int mt, int v) { return 16 * mt + ((threadIdx.x & 31) >> 2) + 8 * (v >> 1); }
 __device__ __forceinline__ int acc_col(int nt, int v) { return 8 * nt + 2 * (threadIdx.x & 3) + (v & 1); }
 
-template <int D>
-__device__ __forceinline__ void mma_copy_rows(const float* src, float (&dst)[BT][D + kOpPad]) {
-  for (int v = threadIdx.x; v < BT * D / 4; v += kMmaChainThreads) {
-    const int c = v / (D / 4), j = 4 * (v % (D / 4));
-    copy16(&dst[c][j], src + (size_t)c * D + j);
-  }
-}
-
-// B2's operands of chunk `slot` into `o`: w, kr, el, and u's 32 columns from col0.
-template <int D>
-__device__ void mma_issue_states(const KdaBwdParams& p, MmaChainOps<D>& o, size_t slot, int col0) {
-  mma_copy_rows<D>(p.w + slot * BT * D, o.a);
-  mma_copy_rows<D>(p.kr + slot * BT * D, o.b);
-  for (int v = threadIdx.x; v < D / 4; v += kMmaChainThreads) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
-  for (int v = threadIdx.x; v < BT * kVTile / 4; v += kMmaChainThreads) {
-    const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
-    copy16(&o.e[c][j], p.u + (slot * BT + c) * D + col0 + j);
-  }
-  copies_issued();
-}
-
-// B3's operands of chunk n of the sequence: kr, qd, w, el, Aqk, and do's 32 columns from col0 (zero past its end).
-template <int D>
-__device__ void mma_issue_reverse(const KdaBwdParams& p, MmaChainOps<D>& o, size_t slot, const Span& sq, int h, int n,
-                                  int col0) {
-  mma_copy_rows<D>(p.kr + slot * BT * D, o.a);
-  mma_copy_rows<D>(p.qd + slot * BT * D, o.b);
-  mma_copy_rows<D>(p.w + slot * BT * D, o.c);
-  for (int v = threadIdx.x; v < D / 4; v += kMmaChainThreads) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
-  for (int v = threadIdx.x; v < BT * BT / 4; v += kMmaChainThreads) {
-    const int c = v / (BT / 4), j = 4 * (v % (BT / 4));
-    copy16(&o.aqk[c][j], p.Aqk + (slot * BT + c) * BT + j);
-  }
-  const int t0 = n * BT, len = min(BT, sq.len - t0);
-  for (int v = threadIdx.x; v < BT * kVTile / 4; v += kMmaChainThreads) {
-    const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
-    const bool real = c < len;
-    copy16(&o.e[c][j], real ? p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + j : p.dout, real);
-  }
-  copies_issued();
-}
-
 // The warp's 16 columns cw .. cw + 15 of a [K, V] state of pair bh (fp32, K-first) into / out of accumulators.
 template <int D>
 __device__ __forceinline__ void load_state(const float* src, int bh, int cw, float (&x)[D / 16][2][4]) {
@@ -248,13 +206,13 @@ __device__ void states_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int 
   load_state<D>(p.h0, bh, cw, S);
   acc_to_b<D / 16>(S, Sb);
   const int nt = (span_of(p, bh / p.H).len + BT - 1) / BT;
-  if (nt > 0) mma_issue_states<D>(p, s.ops[0], chunk_slot(p, bh, 0), col0);
+  if (nt > 0) issue_states<kMmaChainThreads, D>(p, s.ops[0], chunk_slot(p, bh, 0), col0);
   for (int n = 0; n < nt; ++n) {
     const size_t slot = chunk_slot(p, bh, n);
     MmaChainOps<D>& o = s.ops[n & 1];
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n - 1) is done
-    if (n + 1 < nt) mma_issue_states<D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
+    if (n + 1 < nt) issue_states<kMmaChainThreads, D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
     store_state<D>(p.states + slot * D * D, cw, S);
     float vc[2][4] = {};
     add_row_product<D>(&o.a[0][0], Sb, vc);  // w S
@@ -286,13 +244,13 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
   uint32_t dSb[D / 16][2][2];
   load_state<D>(p.dht, bh, cw, dS);
   acc_to_b<D / 16>(dS, dSb);
-  if (nt > 0) mma_issue_reverse<D>(p, s.ops[(nt - 1) & 1], chunk_slot(p, bh, nt - 1), sq, h, nt - 1, col0);
+  if (nt > 0) issue_reverse<kMmaChainThreads, D>(p, s.ops[(nt - 1) & 1], chunk_slot(p, bh, nt - 1), sq, h, nt - 1, col0);
   for (int n = nt - 1; n >= 0; --n) {
     const size_t slot = chunk_slot(p, bh, n);
     MmaChainOps<D>& o = s.ops[n & 1];
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n + 1) is done
-    if (n > 0) mma_issue_reverse<D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
+    if (n > 0) issue_reverse<kMmaChainThreads, D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
     store_state<D>(p.dstates + slot * D * D, cw, dS);
     // do as a B fragment (k = token, n = column): b[0] = do[2t..2t+1][g], b[1] = do[2t+8..2t+9][g]
     uint32_t dob[1][2][2];
