@@ -30,8 +30,8 @@ constexpr int kMmaChainThreads = 32 * kMmaChainWarps;
 constexpr int kOpPad = 4;  // floats added to each operand row: conflict-free fragment reads (below)
 
 // One chunk's operands of a chain in shared memory, fp32 as B1 wrote them, rows kOpPad floats longer: a lane
-// (g, t) reading row g at column 2t (a float2) or row 2t at column g then lands on bank 4g + 2t or 8t + g,
-// every lane of a half-warp (a warp) on its own.
+// (g, t) reading row 2t at column g (a transposed operand) then lands on bank 8t + g, every lane on its own, and
+// one reading row g at column 2t on bank 4g + 2t, two lanes a bank (rows of D floats: 8 and 4 lanes a bank).
 template <int D>
 struct MmaChainOps {
   float a[BT][D + kOpPad], b[BT][D + kOpPad], c[BT][D + kOpPad];  // w, kr (B2); kr, qd, w (B3)
