@@ -578,42 +578,41 @@ __device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const
   if (grp == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * agl;
 }
 
-// A word of two adjacent state elements (x[0] low), bf16 as the B operand of an MMA takes them.
-__device__ __forceinline__ uint32_t state_word(const kda_state_t* x) {
-#ifdef KDA_BWD_STATES_FP32
-  return pack_bf16(x[0], x[1]);
-#else
-  uint32_t w;
-  memcpy(&w, x, sizeof w);
-  return w;
-#endif
-}
-
-// The same on tensor cores: the variant build mma_adjoint, a candidate not turned on (with its fragments read
-// straight from global memory it made B4 5.07 ms against 4.39 on the CUDA cores at B1 T8192 H32 K128, an H100 at
-// 1465c4f: results/h100/stage13/train_1465c4f.json). Each product is [16, V] x [V, K] with the state read as stored, [K, V] with V
-// contiguous: row d of S is column d of the B operand, two adjacent v in one word, so its fragments come straight
-// from memory (b[0] = S[d][2t..2t+1], b[1] = S[d][2t+8..2t+9] of the 16 v of a k-block). Warp w takes the key rows
-// d of its D / 8 columns; do, dvcorr and vcorr are the A operands, rounded to bf16 as they are read.
+// The same on tensor cores: the variant build mma_adjoint, a candidate not turned on. Each product is [16, V] x
+// [V, K] with the state as stored, [K, V] with V contiguous: row d of S is column d of the B operand, so a 16-column
+// tile of S and dS, staged in shared memory as the CUDA-core version stages it, is one k-block (b[0] = S[d][2t..2t+1],
+// b[1] = S[d][2t+8..2t+9] of the tile). Warp w takes the key rows d of its D / 8 columns; do, dvcorr and vcorr are
+// the A operands, rounded to bf16 as they are read. (Its first version read the fragments straight from global
+// memory and made B4 5.07 ms against 4.39 on the CUDA cores at B1 T8192 H32 K128, an H100 at 1465c4f:
+// results/h100/stage13/train_1465c4f.json. This one is not timed yet.)
 template <int D>
 __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
                                    const kda_state_t* dS) {
   constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
-  static_assert(kAdjThreads == 256, "eight warps split the key rows");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  __syncthreads();  // do, vcorr, dvcorr are in
-  float aq[NTW][4] = {}, aw[NTW][4] = {}, ar[NTW][4] = {};
-#pragma unroll 2
-  for (int kb = 0; kb < D / 16; ++kb) {
+  static_assert(kAdjThreads == 256 && kSTile == 16, "eight warps split the key rows; a tile is one k-block");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  float aq[NTW][4] = {}, aw[NTW][4] = {}, ar[NTW][4] = {}, agl = 0.f;
+  for (int j0 = 0; j0 < D; j0 += kSTile) {
+    __syncthreads();  // do, vcorr, dvcorr are in (first tile); the last tile's readers are done
+    for (int idx = tid; idx < D * kSTile; idx += kAdjThreads) {
+      const int r = idx / kSTile, jj = idx % kSTile;
+      s.ph.tile.S[r][jj] = from_state(S[(size_t)r * D + j0 + jj]);
+      s.ph.tile.dS[r][jj] = from_state(dS[(size_t)r * D + j0 + jj]);
+    }
+    __syncthreads();
+    if (tid < D)
+      for (int jj = 0; jj < kSTile; ++jj) agl += s.ph.tile.S[tid][jj] * s.ph.tile.dS[tid][jj];
     uint32_t a_do[4], a_dv[4], a_vc[4];
-    a_frag<D + kPad, 1>(&s.dout[0][0], 0, 16 * kb, 1.f, a_do);
-    a_frag<D + kPad, 1>(&s.dvc[0][0], 0, 16 * kb, -1.f, a_dv);
-    a_frag<D + kPad, 1>(&s.vc[0][0], 0, 16 * kb, 1.f, a_vc);
+    a_frag<D + kPad, 1>(&s.dout[0][0], 0, j0, 1.f, a_do);
+    a_frag<D + kPad, 1>(&s.dvc[0][0], 0, j0, -1.f, a_dv);
+    a_frag<D + kPad, 1>(&s.vc[0][0], 0, j0, 1.f, a_vc);
 #pragma unroll
     for (int j = 0; j < NTW; ++j) {
-      const size_t row = (size_t)(8 * (NTW * warp + j) + g) * D + 16 * kb + 2 * t;
-      const uint32_t bS[2] = {state_word(S + row), state_word(S + row + 8)};
-      const uint32_t bdS[2] = {state_word(dS + row), state_word(dS + row + 8)};
+      const int d = 8 * (NTW * warp + j) + g;
+      const float* sr = s.ph.tile.S[d];
+      const float* dr = s.ph.tile.dS[d];
+      const uint32_t bS[2] = {pack_bf16(sr[2 * t], sr[2 * t + 1]), pack_bf16(sr[2 * t + 8], sr[2 * t + 9])};
+      const uint32_t bdS[2] = {pack_bf16(dr[2 * t], dr[2 * t + 1]), pack_bf16(dr[2 * t + 8], dr[2 * t + 9])};
       mma_bf16(aq[j], a_do, bS);
       mma_bf16(aw[j], a_dv, bS);
       mma_bf16(ar[j], a_vc, bdS);
@@ -628,14 +627,7 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
       s.dw[c][d] = aw[j][v];
       s.dkr[c][d] = ar[j][v];
     }
-  // dgl = e^glast rowsum(S * dS): a warp per key row, its lanes along v
-  for (int d = warp; d < D; d += kAdjThreads / 32) {
-    float acc = 0.f;
-    for (int v = lane; v < D; v += 32) acc += from_state(S[(size_t)d * D + v]) * from_state(dS[(size_t)d * D + v]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * acc;
-  }
+  if (tid < D) s.dgl[tid] = expf(ch.gc[BT - 1][tid]) * agl;
 }
 
 template <int D>

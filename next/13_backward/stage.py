@@ -166,8 +166,9 @@ BACKWARD_VARIANTS = {
     "fp32_states": ("KDA_BWD_STATES_FP32",),  # the chains' states stored for B4 in fp32 (twice the bytes)
     "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # every pair decay its own exponential (B1's and B4's pair sums, B4's pair terms)
-    # candidates, not on: B4's products with the states on tensor cores (slower as written: B4 5.07 ms against
-    # 4.39, results/h100/stage13/train_1465c4f.json); B1 held to 168 / 128 registers, 3 / 4 blocks per SM (214: 2)
+    # candidates, not on: B4's products with the states on tensor cores (its first version slower: B4 5.07 ms
+    # against 4.39, results/h100/stage13/train_1465c4f.json; the second, staged in shared memory, not timed yet);
+    # B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "mma_adjoint": ("KDA_BWD_MMA_ADJOINT",),
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
