@@ -61,50 +61,53 @@ def chunk_operands(qn, kn, v, b, a, *, scale: float, t0: int, t1: int) -> dict:
                 Aqk=Aqk, qd=qd, kr=kr, scale=scale)
 
 
-def step(c: dict, S):
-    """One chunk forward from the entry state S [B, H, K, V]: (vcorr, o, the exit state)."""
-    vcorr = c["u"] - c["w"] @ S
-    o = c["qd"] @ S + c["Aqk"] @ vcorr
-    S_out = torch.exp(c["glast"])[..., None] * S + c["kr"].transpose(-1, -2) @ vcorr
+def _exact(x):
+    return x
+
+
+def step(c: dict, S, rnd=_exact):
+    """One chunk forward from the entry state S [B, H, K, V]: (vcorr, o, the exit state). ``rnd``: what each
+    product's operands are rounded to (the tensor-core kernels': bf16)."""
+    vcorr = c["u"] - rnd(c["w"]) @ rnd(S)
+    o = rnd(c["qd"]) @ rnd(S) + rnd(c["Aqk"]) @ rnd(vcorr)
+    S_out = torch.exp(c["glast"])[..., None] * S + rnd(c["kr"]).transpose(-1, -2) @ rnd(vcorr)
     return vcorr, o, S_out
 
 
-def reverse_step(c: dict, dS_out, do):
-    """One chunk of the reverse chain: (dvcorr, the gradient of the entry state)."""
-    dvcorr = c["kr"] @ dS_out + c["Aqk"].transpose(-1, -2) @ do
-    dS = torch.exp(c["glast"])[..., None] * dS_out + c["qd"].transpose(-1, -2) @ do \
-        - c["w"].transpose(-1, -2) @ dvcorr
+def reverse_step(c: dict, dS_out, do, rnd=_exact):
+    """One chunk of the reverse chain: (dvcorr, the gradient of the entry state); ``rnd`` as step's."""
+    dvcorr = rnd(c["kr"]) @ rnd(dS_out) + rnd(c["Aqk"]).transpose(-1, -2) @ rnd(do)
+    dS = torch.exp(c["glast"])[..., None] * dS_out + rnd(c["qd"]).transpose(-1, -2) @ rnd(do) \
+        - rnd(c["w"]).transpose(-1, -2) @ rnd(dvcorr)
     return dvcorr, dS
 
 
 def mma_chains(ws: dict, do, *, H: int, h0=None, dht=None) -> dict:
     """The two chains as the tensor-core kernels take them (next/13_backward/chains_mma.cuh), from B1's operands
     as the kernels hold them: ``ws`` qd, kr, w [slots, 16, K], u [slots, 16, V], Aqk [slots, 16, 16], el
-    [slots, K], slot (b H + h) NT + n, for B plain sequences of T tokens (do [B, T, H, V]). In float64 with every
-    mma operand rounded to bf16 where the kernels round it (the state, vcorr and dvcorr as B operands, each
-    chunk's operands as A), the states carried unrounded. Returns states, dstates [slots, K, V] (each chunk's
-    entry state and the gradient of its exit state), vcorr, dvcorr [slots, 16, V] and dh0 [B, H, K, V]."""
-    bf = lambda x: x.to(torch.bfloat16).double()  # noqa: E731
+    [slots, K], slot (b H + h) NT + n, for B plain sequences of T tokens (do [B, T, H, V]). step and reverse_step
+    in float64 with every mma operand rounded to bf16, the states carried unrounded. Returns states, dstates
+    [slots, K, V] (each chunk's entry state and the gradient of its exit state), vcorr, dvcorr [slots, 16, V] and
+    dh0 [B, H, K, V]."""
+    def bf(x):
+        return x.to(torch.bfloat16).double()
+
     B, T, _, V = do.shape
     K, NT = ws["qd"].shape[-1], -(-T // 16)
     op = {n: ws[n].double().reshape(B, H, NT, *ws[n].shape[1:]) for n in ("qd", "kr", "w", "u", "Aqk", "el")}
-    dop = F.pad(do.double(), (0, 0, 0, 0, 0, NT * 16 - T)).reshape(B, NT, 16, H, V).permute(0, 3, 1, 2, 4)
+    ops = [dict({n: op[n][:, :, i] for n in ("qd", "kr", "w", "u", "Aqk")}, glast=torch.log(op["el"][:, :, i]))
+           for i in range(NT)]
+    dos = F.pad(do.double(), (0, 0, 0, 0, 0, NT * 16 - T)).reshape(B, NT, 16, H, V).permute(0, 3, 1, 2, 4)
     zero = torch.zeros(B, H, K, V, dtype=torch.float64)
     out = {n: [None] * NT for n in ("states", "dstates", "vcorr", "dvcorr")}
     S = zero if h0 is None else h0.double()
     for n in range(NT):
         out["states"][n] = S
-        vc = op["u"][:, :, n] - bf(op["w"][:, :, n]) @ bf(S)
-        out["vcorr"][n] = vc
-        S = op["el"][:, :, n, :, None] * S + bf(op["kr"][:, :, n]).transpose(-1, -2) @ bf(vc)
+        out["vcorr"][n], _, S = step(ops[n], S, bf)
     dS = zero if dht is None else dht.double()
     for n in range(NT - 1, -1, -1):
         out["dstates"][n] = dS
-        d = bf(dop[:, :, n])
-        dv = bf(op["kr"][:, :, n]) @ bf(dS) + bf(op["Aqk"][:, :, n]).transpose(-1, -2) @ d
-        out["dvcorr"][n] = dv
-        dS = op["el"][:, :, n, :, None] * dS + bf(op["qd"][:, :, n]).transpose(-1, -2) @ d \
-            - bf(op["w"][:, :, n]).transpose(-1, -2) @ bf(dv)
+        out["dvcorr"][n], dS = reverse_step(ops[n], dS, dos[:, :, n], bf)
     res = {n: torch.stack(x, 2).reshape(B * H * NT, *x[0].shape[2:]) for n, x in out.items()}
     return dict(res, dh0=dS)
 
