@@ -536,6 +536,19 @@ struct AdjSmem {
 // Two blocks per SM on sm_90 (228 KB of shared memory per SM, 1 KB of it reserved per block).
 static_assert(2 * (sizeof(AdjSmem<128>) + 1024) <= 228 * 1024, "B4 no longer fits two blocks per SM at K = 128");
 
+// Columns j0 .. j0 + kSTile - 1 of S and dS into the shared tiles, between two barriers: the first waits for do,
+// vcorr and dvcorr (first tile) or for the last tile's readers, the second for the tiles.
+template <int D>
+__device__ __forceinline__ void stage_tiles(AdjSmem<D>& s, const kda_state_t* S, const kda_state_t* dS, int j0) {
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < D * kSTile; idx += kAdjThreads) {
+    const int r = idx / kSTile, jj = idx % kSTile;
+    s.ph.tile.S[r][jj] = from_state(S[(size_t)r * D + j0 + jj]);
+    s.ph.tile.dS[r][jj] = from_state(dS[(size_t)r * D + j0 + jj]);
+  }
+  __syncthreads();
+}
+
 // dqd = do S^T, dw = -dvcorr S^T, dkr = vcorr dS^T, dgl = e^glast rowsum(S * dS) on the CUDA cores, in fp32, over
 // 16-column tiles of S and dS staged in shared memory.
 template <int D>
@@ -549,13 +562,7 @@ __device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const
 #pragma unroll
   for (int m = 0; m < BT / G; ++m) aq[m] = aw[m] = ar[m] = 0.f;
   for (int j0 = 0; j0 < D; j0 += kSTile) {
-    __syncthreads();
-    for (int idx = tid; idx < D * kSTile; idx += kAdjThreads) {
-      const int r = idx / kSTile, jj = idx % kSTile;
-      s.ph.tile.S[r][jj] = from_state(S[(size_t)r * D + j0 + jj]);
-      s.ph.tile.dS[r][jj] = from_state(dS[(size_t)r * D + j0 + jj]);
-    }
-    __syncthreads();
+    stage_tiles<D>(s, S, dS, j0);
     for (int jj = 0; jj < kSTile; ++jj) {
       const float sv = s.ph.tile.S[d][jj], dsv = s.ph.tile.dS[d][jj];
       agl += sv * dsv;
@@ -593,13 +600,7 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   float aq[NTW][4] = {}, aw[NTW][4] = {}, ar[NTW][4] = {}, agl = 0.f;
   for (int j0 = 0; j0 < D; j0 += kSTile) {
-    __syncthreads();  // do, vcorr, dvcorr are in (first tile); the last tile's readers are done
-    for (int idx = tid; idx < D * kSTile; idx += kAdjThreads) {
-      const int r = idx / kSTile, jj = idx % kSTile;
-      s.ph.tile.S[r][jj] = from_state(S[(size_t)r * D + j0 + jj]);
-      s.ph.tile.dS[r][jj] = from_state(dS[(size_t)r * D + j0 + jj]);
-    }
-    __syncthreads();
+    stage_tiles<D>(s, S, dS, j0);
     if (tid < D)
       for (int jj = 0; jj < kSTile; ++jj) agl += s.ph.tile.S[tid][jj] * s.ph.tile.dS[tid][jj];
     uint32_t a_do[4], a_dv[4], a_vc[4];
