@@ -91,18 +91,26 @@ def test_chunks_too_wide_to_factor_go_pair_by_pair(stage):
         assert rel_err(got[n], ref[n]) <= TOL, f"d{n}: {rel_err(got[n], ref[n]):.2e}"
 
 
+def _packed_case(gate, lb, seed):
+    """Packed sequences (B = 1) of lengths 7, 0, 20 and 33 (one empty, one shorter than a chunk, one of a chunk and
+    a tail), H = 2, K = V = 64, each with its own h0: (inputs, do, dht, cu_seqlens)."""
+    lens = (7, 0, 20, 33)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    N, T, H, K = len(lens), sum(lens), 2, 64
+    kw = make_inputs(1, T, H, K, K, seed=seed, dtype=torch.bfloat16, gate=gate, lower_bound=lb, h0=False,
+                     chunk_size=16)
+    gen = torch.Generator().manual_seed(seed + 1)
+    kw["initial_state"] = torch.randn(N, H, K, K, generator=gen) / 8
+    do, dht = make_cotangents((1, T, H, K), (N, H, K, K), seed=seed + 2)
+    return kw, do, dht, cu
+
+
 @pytest.mark.parametrize("gate,lb", [("softplus", None), ("bounded", -3.0)])
 def test_packed_sequences_are_each_sequence_alone(stage, gate, lb):
     """Packed sequences (cu_seqlens, B = 1): one empty, one shorter than a chunk, one of a chunk and a tail, each
     with its own h0, against autograd through the fp64 token loop run on each sequence alone."""
-    lens = (7, 0, 20, 33)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    N, T, H, K = len(lens), sum(lens), 2, 64
-    kw = make_inputs(1, T, H, K, K, seed=5, dtype=torch.bfloat16, gate=gate, lower_bound=lb, h0=False,
-                     chunk_size=16)
-    gen = torch.Generator().manual_seed(6)
-    kw["initial_state"] = torch.randn(N, H, K, K, generator=gen) / 8
-    do, dht = make_cotangents((1, T, H, K), (N, H, K, K), seed=7)
+    kw, do, dht, cu = _packed_case(gate, lb, seed=5)
+    N, K = len(cu) - 1, kw["q"].shape[-1]
     got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht,
                                  cu_seqlens=cu, variant="exact")
     leaves = {n: kw[n].detach().double().requires_grad_() for n in NAMES}
@@ -127,13 +135,8 @@ def test_the_shipped_build_packs_sequences_as_it_runs_them_alone(stage):
     """The shipped build (tensor-core chains) on packed sequences, one empty, one shorter than a chunk, each with its
     own h0: every per-token gradient and dh0 is, bit for bit, what the same build gives each sequence alone;
     dA_log and ddt_bias (sums over the sequences, taken in another order) within fp32 round-off."""
-    lens = (7, 0, 20, 33)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    N, T, H, K = len(lens), sum(lens), 2, 64
-    kw = make_inputs(1, T, H, K, K, seed=8, dtype=torch.bfloat16, gate="softplus", h0=False, chunk_size=16)
-    gen = torch.Generator().manual_seed(9)
-    kw["initial_state"] = torch.randn(N, H, K, K, generator=gen) / 8
-    do, dht = make_cotangents((1, T, H, K), (N, H, K, K), seed=10)
+    kw, do, dht, cu = _packed_case("softplus", None, seed=8)
+    N = len(cu) - 1
     got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate="softplus", do=do, dht=dht, cu_seqlens=cu)
     sums = {"A_log": 0.0, "dt_bias": 0.0}
     for i in range(N):
