@@ -26,7 +26,7 @@ import torch
 
 from .contract import Call, StageSpec, alloc
 
-MAX_REGIONS = 20  # common/include/kda_profile.cuh KDA_MAX_REGIONS
+MAX_REGIONS = 32  # common/include/kda_profile.cuh KDA_MAX_REGIONS
 
 
 def _layout_args(c: Call) -> dict:

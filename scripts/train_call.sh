@@ -5,9 +5,11 @@
 # step (scripts/bench_train.py) at the shapes in TRAIN_SHAPES, beside FLA's with FLA=1. FLA's Triton kernels autotune
 # for minutes on the first call of each (H, K) family (../shared/DEVICE_NOTES.md): with FLA=1 the bench runs before
 # the tests, at H = 32, K = 128, so that the test that trains FLA's chunk_kda (same family) finds them tuned.
+# With PROFILE=1, then the backward's clock64 regions per chunk (scripts/profile_backward.py), of the stage and of the
+# variant builds in PROFILE_VARIANTS.
 # With FLA_CHECK=1, then every gradient against fp64 beside FLA's error on the same inputs (scripts/check_backward.py
 # --quick --fla). With LOSS=1, then the loss curves of a small model on FLA's kernels and on kdalab's (scripts/train_small.py).
-# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/loss.json, $OUT/layer_train.json, $OUT/bwd_details.csv,
+# Results: $OUT/train_tests.txt, $OUT/train.json, $OUT/bwd_profile.json, $OUT/loss.json, $OUT/layer_train.json, $OUT/bwd_details.csv,
 # $OUT/log.txt (the device returns at most 8 files: build logs and the ncu report stay in /tmp/train_call).
 # Device command: KDALAB_COMMIT=<commit> bash scripts/train_call.sh   (carry .whl: nvidia-cutlass, fla-core, einops)
 set -uo pipefail
@@ -26,6 +28,12 @@ if [ "${FLA_CHECK:-0}" = 1 ]; then  # check_backward loads the backward as a sta
   [ -d stages/13_backward ] || cp -r next/13_backward stages/
   ( timeout 300 python3 -c "from common.stages import load_stage; load_stage('13').build()" > $B/build_13_stage.txt 2>&1
     log "build 13 (as a stage) rc=$?" ) &
+fi
+if [ "${PROFILE:-0}" = 1 ]; then  # the profile builds (clock64 regions), of the stage and of PROFILE_VARIANTS
+  for v in "" ${PROFILE_VARIANTS:-}; do
+    ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build(profile=True, variant='$v' or None)" \
+        > $B/build_13_prof_$v.txt 2>&1; log "build 13 profile $v rc=$?" ) &
+  done
 fi
 for v in ${VARIANTS:-fp32_chains}; do  # the backward's variants (next/13_backward BACKWARD_VARIANTS), timed beside it
   ( timeout 300 python3 -c "from common.stages import load_next; load_next('13_backward').build(variant='$v')" \
@@ -49,6 +57,10 @@ if [ "${FLA:-0}" = 1 ]; then
 else
   tests "${TESTS_K:-training}"
   bench "--no-fla $(for v in ${VARIANTS:-fp32_chains}; do printf -- '--variant %s ' $v; done)"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then  # cycles per chunk in each region of the four kernels (B1 T8192 H32 K128)
+  timeout ${PROFILE_TIMEOUT:-150} python3 scripts/profile_backward.py --out $OUT/bwd_profile.json \
+    $(for v in ${PROFILE_VARIANTS:-}; do printf -- '--variant %s ' $v; done) 2>&1 | tee -a $OUT/log.txt; log "profile rc=$?"
 fi
 if [ "${FLA_CHECK:-0}" = 1 ]; then  # every gradient against fp64 beside FLA's error on the same inputs (quick cases)
   timeout ${FLA_CHECK_TIMEOUT:-240} python3 scripts/check_backward.py --stage 13 --quick --fla --no-04 \

@@ -257,9 +257,11 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_
   ChunkSmem<D>& s = sm.ch;
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
   if (n * BT >= span_of(p, bh / p.H).len) return;  // past the sequence's end: the whole block
+  KDA_PROF_START(tp);
   load_chunk<D, kPrepThreads>(p, bh, n, s, sm.sc);
   const size_t slot = chunk_slot(p, bh, n);
   const int tid = threadIdx.x;
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B1_REBUILD, tp);
   for (int d = tid; d < D; d += kPrepThreads) {
     const float glast = s.gc[BT - 1][d];
     float kd[BT];
@@ -288,6 +290,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_
     const int c = pr / BT, i = pr % BT;
     p.Aqk[slot * BT * BT + pr] = i <= c ? p.scale * s.qk[c][i] : 0.f;
   }
+#ifdef KDA_PROFILE
+  __syncthreads();  // the block's stores issued (the profile build only)
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B1_STORE, tp);
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -640,6 +646,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
   if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  KDA_PROF_START(tp);
   load_chunk<D, kAdjThreads>(p, bh, n, s.ch, s.ph.pairs);
   ChunkSmem<D>& ch = s.ch;
   const size_t slot = chunk_slot(p, bh, n);
@@ -651,12 +658,17 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   }
   const kda_state_t* S = p.states + slot * D * D;
   const kda_state_t* dS = p.dstates + slot * D * D;
+#ifdef KDA_PROFILE
+  __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_REBUILD, tp);
+#endif
 #ifdef KDA_BWD_MMA_ADJOINT
   state_products_mma<D>(s, ch, S, dS);
 #else
   state_products_fp32<D>(s, ch, S, dS);
 #endif
   __syncthreads();  // the tiles are done with: kd takes their place
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_STATES, tp);
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
     const int c = idx / D, e = idx % D;
     s.ph.kd[c][e] = ch.k[c][e] * expf(ch.gc[c][e]);
@@ -676,6 +688,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     s.dAf[c][i] = fa;
   }
   __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_PAIRS, tp);
   // dbeta through Af = X diag(beta); T1 = X^T dX with dX = dAf diag(beta)
   if (tid < BT) {
     const int i = tid;
@@ -706,6 +719,10 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     for (int i = 0; i < c; ++i) acc += s.dL[c][i] * ch.kk[c][i];
     s.db[c] += acc;
   }
+#ifdef KDA_PROFILE
+  __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_SMALL, tp);
+#endif
   // the pair terms, the decays and da: one key dimension per thread
   if (tid < D) {
     const int e = tid;
@@ -789,6 +806,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     p.ddt_part[slot * D + e] = dsum;
   }
   __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_KEYS, tp);
   // dv = Af^T du
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
     const int i = idx / D, e = idx % D;
@@ -823,6 +841,10 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
       p.dAlog_part[row] = al;
     }
   }
+#ifdef KDA_PROFILE
+  __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_OUT, tp);
+#endif
 }
 
 }  // namespace bwd

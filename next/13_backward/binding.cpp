@@ -447,7 +447,7 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
                                     torch::Tensor dout, OptTensor dht, torch::Tensor dq, torch::Tensor dk,
                                     torch::Tensor dv, torch::Tensor dg, torch::Tensor dbeta, torch::Tensor dA_log,
                                     torch::Tensor ddt_bias, OptTensor dh0, OptTensor cu_seqlens, int64_t max_seqlen,
-                                    bool state_v_first) {
+                                    bool state_v_first, OptTensor prof = c10::nullopt) {
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
@@ -582,6 +582,17 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.ddt_part = ddt_part.data_ptr<float>();
   p.dAlog_part = dAlog_part.data_ptr<float>();
   p.dh0 = present(dh0) ? dh0_k.data_ptr<float>() : nullptr;
+  p.prof = nullptr;
+#ifdef KDA_PROFILE
+  if (present(prof)) {  // the backward's regions (kda.h KDA_REG_B*), one slot per chunk
+    check_tensor(*prof, "prof", q, torch::kInt64);
+    TORCH_CHECK(prof->dim() == 2 && prof->size(1) == KDA_MAX_REGIONS && prof->size(0) >= slots,
+                "prof must be int64 [slots >= ", slots, ", ", KDA_MAX_REGIONS, "], got ", prof->sizes());
+    p.prof = reinterpret_cast<long long*>(prof->data_ptr<int64_t>());
+  }
+#else
+  (void)prof;
+#endif
   kda_launch_log().clear();
   kda_check(kda_bwd_launch(p, stream), "kda backward");
   if (present(dh0) && state_v_first) dh0->copy_(dh0_k.transpose(-1, -2));
@@ -600,10 +611,9 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
              torch::Tensor dk, torch::Tensor dv, torch::Tensor dg, torch::Tensor dbeta, torch::Tensor dA_log,
              torch::Tensor ddt_bias, OptTensor dh0, OptTensor prof, OptTensor cu_seqlens, int64_t max_seqlen,
              std::vector<int64_t> seq_lens, bool state_v_first) {
-  (void)prof;  // the backward has no profile regions
   (void)seq_lens;
   bwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, chunk_size, dout, dht, dq, dk, dv,
-           dg, dbeta, dA_log, ddt_bias, dh0, cu_seqlens, max_seqlen, state_v_first);
+           dg, dbeta, dA_log, ddt_bias, dh0, cu_seqlens, max_seqlen, state_v_first, prof);
 }
 
 // The backward's workspace after a call, for the checks of each kernel against

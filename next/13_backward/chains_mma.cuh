@@ -207,11 +207,15 @@ __device__ void states_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int 
   acc_to_b<D / 16>(S, Sb);
   const int nt = (span_of(p, bh / p.H).len + BT - 1) / BT;
   if (nt > 0) issue_states<kMmaChainThreads, D>(p, s.ops[0], chunk_slot(p, bh, 0), col0);
+  const bool timer = threadIdx.x == 0 && col0 == 0;  // the profile: one block of the pair's chain
+  (void)timer;
+  KDA_PROF_START(tp);
   for (int n = 0; n < nt; ++n) {
     const size_t slot = chunk_slot(p, bh, n);
     MmaChainOps<D>& o = s.ops[n & 1];
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n - 1) is done
+    if (timer) KDA_PROF_LAP(p.prof, slot, KDA_REG_B2_WAIT, tp);
     if (n + 1 < nt) issue_states<kMmaChainThreads, D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
     store_state<D>(p.states + slot * D * D, cw, S);
     float vc[2][4] = {};
@@ -230,6 +234,7 @@ __device__ void states_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int 
     decay_rows<D>(o.el, S);
     add_transposed_product<D>(&o.b[0][0], 1.f, vb, S);  // + kr^T vcorr
     acc_to_b<D / 16>(S, Sb);
+    if (timer) KDA_PROF_LAP(p.prof, slot, KDA_REG_B2_STEP, tp);
   }
 }
 
@@ -245,11 +250,15 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
   load_state<D>(p.dht, bh, cw, dS);
   acc_to_b<D / 16>(dS, dSb);
   if (nt > 0) issue_reverse<kMmaChainThreads, D>(p, s.ops[(nt - 1) & 1], chunk_slot(p, bh, nt - 1), sq, h, nt - 1, col0);
+  const bool timer = threadIdx.x == 0 && col0 == 0;  // the profile: one block of the pair's chain
+  (void)timer;
+  KDA_PROF_START(tp);
   for (int n = nt - 1; n >= 0; --n) {
     const size_t slot = chunk_slot(p, bh, n);
     MmaChainOps<D>& o = s.ops[n & 1];
     copies_arrived();
     __syncthreads();  // chunk n's operands are in; the other buffer's last reader (chunk n + 1) is done
+    if (timer) KDA_PROF_LAP(p.prof, slot, KDA_REG_B3_WAIT, tp);
     if (n > 0) issue_reverse<kMmaChainThreads, D>(p, s.ops[(n - 1) & 1], chunk_slot(p, bh, n - 1), sq, h, n - 1, col0);
     store_state<D>(p.dstates + slot * D * D, cw, dS);
     // do as a B fragment (k = token, n = column): b[0] = do[2t..2t+1][g], b[1] = do[2t+8..2t+9][g]
@@ -279,6 +288,7 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
     add_transposed_product<D>(&o.b[0][0], 1.f, dob, dS);   // + qd^T do
     add_transposed_product<D>(&o.c[0][0], -1.f, dvb, dS);  // - w^T dvcorr
     acc_to_b<D / 16>(dS, dSb);
+    if (timer) KDA_PROF_LAP(p.prof, slot, KDA_REG_B3_STEP, tp);
   }
   if (p.dh0 != nullptr) {
 #pragma unroll

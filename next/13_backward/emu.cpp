@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include "kda.h"
+#include "kda_profile.cuh"  // its timers: empty without KDA_PROFILE
 
 namespace kda_stage {
 using std::min;

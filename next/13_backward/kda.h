@@ -67,6 +67,20 @@ enum KdaRegion {
   KDA_REG_K2L_ISSUE = 14,    // K2 producer: issue loads (load warp: cp.async; fused: stage_rows + next chunk's loads)
   KDA_REG_FUSED_BARRIER = 15,// fused prepare: the team's barrier before a chunk (its last step done with the scratch)
   KDA_REG_FUSED_DECAY = 16,  // fused prepare: decay_columns (qd, kr^T, exp(glast) into the slot)
+  // the backward (backward.cuh, chains_mma.cuh), each kernel's regions per chunk (slot = the chunk's workspace slot;
+  // a chain's recorded by the block of its first 32 value columns)
+  KDA_REG_B1_REBUILD = 17,   // B1: the chunk rebuilt (load, norms, cumsum, pair sums, X)
+  KDA_REG_B1_STORE = 18,     // B1: the chain operands out (qd, kr, w, u, Aqk, el)
+  KDA_REG_B2_WAIT = 19,      // B2: wait for the chunk's operands (cp.async) and the block's barrier
+  KDA_REG_B2_STEP = 20,      // B2: S stored, w S, vcorr, S decayed + kr^T vcorr
+  KDA_REG_B3_WAIT = 21,      // B3: as B2's
+  KDA_REG_B3_STEP = 22,      // B3: dS stored, dvcorr, dS decayed + qd^T do - w^T dvcorr
+  KDA_REG_B4_REBUILD = 23,   // B4: the chunk rebuilt as B1 does it, with do, vcorr, dvcorr
+  KDA_REG_B4_STATES = 24,    // B4: the products with S and dS (dqd, dw, dkr, dglast)
+  KDA_REG_B4_PAIRS = 25,     // B4: dAqk, dAf (16 x 16 over the key / value dimension)
+  KDA_REG_B4_SMALL = 26,     // B4: dbeta, T1, dL (16 x 16 x 16)
+  KDA_REG_B4_KEYS = 27,      // B4: one key dimension per thread (pair terms, decays, the gate)
+  KDA_REG_B4_OUT = 28,       // B4: dv, the l2norm's adjoint, the gradients out
 };
 
 // The gate of KdaFwdParams::gate_id (the binding's gate_id).
@@ -219,6 +233,7 @@ struct KdaBwdParams {
   float* ddt_part;           // [N H, NT, K]: each chunk's sum of dg over its tokens (zero where no chunk runs)
   float* dAlog_part;         // [B, T, H]  each token's share of dA_log
   float* dh0;                // [N, H, K, V] or nullptr
+  long long* prof;           // [slots >= N H NT, KDA_MAX_REGIONS] clock64 cycles (the profile build), or nullptr
 };
 
 // The five per-token gradients' buffers: bf16 (grads_bf16) or fp32, the other set of pointers left null.

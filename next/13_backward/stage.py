@@ -57,6 +57,11 @@ SPEC = StageSpec(
         "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
         "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
         "fused prepare: team barrier", "fused prepare: decay columns",
+        # ids 17-28: the backward's, per chunk (a chain's: one step of it)
+        "bwd: B1 rebuild", "bwd: B1 operands out",
+        "bwd: B2 wait for operands", "bwd: B2 step", "bwd: B3 wait for operands", "bwd: B3 step",
+        "bwd: B4 rebuild", "bwd: B4 state products", "bwd: B4 dAqk, dAf", "bwd: B4 dbeta, T1, dL",
+        "bwd: B4 per key dimension", "bwd: B4 dv, l2norm, out",
     ),
     region_unit="cycles",
     tolerance=TOLERANCE,
@@ -220,8 +225,9 @@ def forward(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
 
 def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
             output_final_state=True, gate="softplus", lower_bound=None, chunk_size=None,
-            backward=False, cu_seqlens=None, state_v_first=False):
-    """clock64 cycles per region from the profile build (-DKDA_PROFILE)."""
+            backward=False, cu_seqlens=None, state_v_first=False, variant=None):
+    """clock64 cycles per region from the profile build (-DKDA_PROFILE); with ``backward`` the backward's regions
+    too (per chunk: B1 and B4 a block each, a chain one step), of the ``variant`` build if one is named."""
     # the pin is checked first (prepare refuses a v that is no [B, T, H, V] tensor, so pin is set past it)
     pin = _path_args(v.shape[-1]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
     c = prepare(SPEC, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
@@ -229,7 +235,7 @@ def profile(q, k, v, g, beta, *, A_log, dt_bias, scale=None, initial_state=None,
                 lower_bound=lower_bound, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
                 state_v_first=state_v_first)
     _check_pairwise(pin, c)
-    return extrun.profile(build(profile=True), SPEC, c, backward=backward, path=pin)
+    return extrun.profile(build(profile=True, variant=variant), SPEC, c, backward=backward, path=pin)
 
 
 # The aim the stage was built to (issue 21): with the softplus gate, GPU time at most this fraction of FLA's
