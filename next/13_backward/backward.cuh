@@ -102,29 +102,43 @@ __device__ __forceinline__ float gate_of(const KdaBwdParams& p, float A, float x
   return p.lower_bound / (1.f + expf(-A * x));
 }
 
-// Load and rebuild chunk n of pair bh (sequence bh / H, head bh % H) into s, with NTHR threads.
+// Load and rebuild chunk n of pair bh (sequence bh / H, head bh % H) into s, with NTHR threads; its three parts
+// are timed into the profile's regions reg0, reg0 + 1, reg0 + 2 (load, pair sums, inverse).
 // Tokens past the sequence's end are zero (k = q = v = 0, beta = 0, a = 0).
 template <int D, int NTHR>
-__device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s, PairScratch<D>& sc) {
+__device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s, PairScratch<D>& sc, int reg0) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = bh % p.H;
   const Span sq = span_of(p, bh / p.H);
   const int t0 = n * BT, len = min(BT, sq.len - t0);
+  const size_t slot = (size_t)bh * p.NT + n;
+  (void)slot;
+  (void)reg0;
+  KDA_PROF_START(tp);
   const float A = expf(p.A_log[h]);
-  for (int idx = tid; idx < BT * D; idx += NTHR) {
-    const int c = idx / D, d = idx % D;
-    float q = 0.f, k = 0.f, v = 0.f, a = 0.f;
+  // 8 elements (16 bytes) of a row of q, k, v and g a load, every load of the thread issued before the first is used
+  constexpr int V8 = D / 8;
+#pragma unroll
+  for (int it = 0; it < (BT * V8 + NTHR - 1) / NTHR; ++it) {
+    const int vi = tid + it * NTHR, c = vi / V8, d0 = 8 * (vi % V8);
+    if (vi >= BT * V8) break;  // K = 64 in B4: half the threads
+    uint4 xq = {0, 0, 0, 0}, xk = xq, xv = xq, xg = xq;
     if (c < len) {
-      const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
-      q = bf2f(p.q[row * D + d]);
-      k = bf2f(p.k[row * D + d]);
-      v = bf2f(p.v[row * D + d]);
-      a = gate_of(p, A, bf2f(p.g[row * D + d]) + p.dt_bias[h * D + d]);
+      const size_t at = (((size_t)sq.bos + t0 + c) * p.H + h) * D + d0;
+      xq = *reinterpret_cast<const uint4*>(p.q + at);
+      xk = *reinterpret_cast<const uint4*>(p.k + at);
+      xv = *reinterpret_cast<const uint4*>(p.v + at);
+      xg = *reinterpret_cast<const uint4*>(p.g + at);
     }
-    s.q[c][d] = q;
-    s.k[c][d] = k;
-    s.v[c][d] = v;
-    s.gc[c][d] = a;
+    const __nv_bfloat16 *eq = reinterpret_cast<const __nv_bfloat16*>(&xq), *ek = reinterpret_cast<const __nv_bfloat16*>(&xk),
+                        *ev = reinterpret_cast<const __nv_bfloat16*>(&xv), *eg = reinterpret_cast<const __nv_bfloat16*>(&xg);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s.q[c][d0 + j] = bf2f(eq[j]);
+      s.k[c][d0 + j] = bf2f(ek[j]);
+      s.v[c][d0 + j] = bf2f(ev[j]);
+      s.gc[c][d0 + j] = c < len ? gate_of(p, A, bf2f(eg[j]) + p.dt_bias[h * D + d0 + j]) : 0.f;
+    }
   }
   if (tid < BT) {
     const int c = tid;
@@ -168,6 +182,7 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
   if (lane == 0) s.wide[warp] = wide;
   __syncthreads();
   for (int w = 0; w < NTHR / 32; ++w) wide = fmaxf(wide, s.wide[w]);
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, reg0, tp);
 #ifndef KDA_BWD_PAIRWISE_SUMS
   if (wide == 0.f) {  // the whole block: every thread read the same flags
     // the pair sums factored, as the forward's K1 takes them where a chunk allows:
@@ -211,6 +226,7 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
     }
   }
   __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, reg0 + 1, tp);
   // X = (I + L)^-1, one column per thread: X[r][j] = -sum_{j <= m < r} L[r][m] X[m][j], the column kept in
   // registers (xc[m] = 0 for m < j, so the sum may start at m = 0: the same value, with no loop bound that
   // depends on j and no shared-memory round trip between one row's result and the next row's sum)
@@ -227,6 +243,7 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
     }
   }
   __syncthreads();
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, reg0 + 2, tp);
 }
 
 // Workspace offsets of chunk n of pair bh.
@@ -257,11 +274,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_
   ChunkSmem<D>& s = sm.ch;
   const int bh = blockIdx.x / p.NT, n = blockIdx.x % p.NT;
   if (n * BT >= span_of(p, bh / p.H).len) return;  // past the sequence's end: the whole block
-  KDA_PROF_START(tp);
-  load_chunk<D, kPrepThreads>(p, bh, n, s, sm.sc);
+  load_chunk<D, kPrepThreads>(p, bh, n, s, sm.sc, KDA_REG_B1_LOAD);
   const size_t slot = chunk_slot(p, bh, n);
   const int tid = threadIdx.x;
-  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B1_REBUILD, tp);
+  KDA_PROF_START(tp);
   for (int d = tid; d < D; d += kPrepThreads) {
     const float glast = s.gc[BT - 1][d];
     float kd[BT];
@@ -319,7 +335,7 @@ struct ChainSmem {
 
 // 16 bytes from global to shared memory without the registers (cp.async; the emulator copies at once), zeros
 // where `valid` is false (src is then not read).
-__device__ __forceinline__ void copy16(float* dst, const float* src, bool valid = true) {
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid = true) {
 #ifdef KDA_EMULATED
   if (valid)
     memcpy(dst, src, 16);
@@ -527,6 +543,9 @@ struct AdjSmem {
     struct {
       float S[D][kSTile + 1], dS[D][kSTile + 1];  // a 16-column tile of S and of dS
     } tile;
+    struct alignas(16) {  // the same tiles as stored (bf16), two of each, for the tensor-core products (mma_adjoint)
+      __nv_bfloat16 S[2][D][kSTile + 8], dS[2][D][kSTile + 8];
+    } mtile;
     PairScratch<D> pairs;    // load_chunk's
     float kd[BT][D + kPad];  // k e^gc, w's right operand (read row by lane)
     struct {
@@ -535,7 +554,11 @@ struct AdjSmem {
     } g;
   } ph;
   float dgl[D];  // the gradient of glast through the state's decay
-  float dAqk[BT][BT + 1], dAf[BT][BT + 1], T1[BT][BT + 1], dL[BT][BT + 1];
+  float dAqk[BT][BT + 1], dAf[BT][BT + 1], dL[BT][BT + 1];
+  union {
+    float T1[BT][BT + 1];  // X^T dX, until dL is taken
+    float dgl_part[D];     // then the second key group's share of dglast
+  };
   float db[BT];
 };
 
@@ -592,12 +615,29 @@ __device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const
 }
 
 // The same on tensor cores: the variant build mma_adjoint, a candidate not turned on. Each product is [16, V] x
-// [V, K] with the state as stored, [K, V] with V contiguous: row d of S is column d of the B operand, so a 16-column
-// tile of S and dS, staged in shared memory as the CUDA-core version stages it, is one k-block (b[0] = S[d][2t..2t+1],
-// b[1] = S[d][2t+8..2t+9] of the tile). Warp w takes the key rows d of its D / 8 columns; do, dvcorr and vcorr are
-// the A operands, rounded to bf16 as they are read. (Its first version read the fragments straight from global
-// memory and made B4 5.07 ms against 4.39 on the CUDA cores at B1 T8192 H32 K128, an H100 at 1465c4f:
-// results/h100/stage13/train_1465c4f.json. This one is not timed yet.)
+// [V, K] with the state as stored, [K, V] with V contiguous: row d of S is column d of the B operand, so 16 columns
+// of S and dS are one k-block, and a B fragment's two words are two bf16 pairs of row d as stored
+// (b[0] = S[d][2t..2t+1], b[1] = S[d][2t+8..2t+9] of the tile). The tiles come in by cp.async as stored, bf16, the
+// next while the current one is multiplied; their rows are 24 halves long, so that a fragment read (row g, word t)
+// lands on bank 12 g + t mod 32, every lane on its own. Warp w takes the key rows d of its D / 8 columns; do,
+// dvcorr and vcorr are the A operands, rounded to bf16 as they are read. (Its first version read the fragments
+// straight from global memory and made B4 5.07 ms against 4.39 on the CUDA cores at B1 T8192 H32 K128, an H100 at
+// 1465c4f: results/h100/stage13/train_1465c4f.json. This one is not timed yet.)
+#if defined(KDA_BWD_MMA_ADJOINT) && defined(KDA_BWD_STATES_FP32)
+#error "mma_adjoint takes the states as stored in bf16: it cannot be built with KDA_BWD_STATES_FP32"
+#endif
+template <int D>
+__device__ __forceinline__ void issue_state_tiles(AdjSmem<D>& s, int buf, const kda_state_t* S, const kda_state_t* dS,
+                                                  int j0) {
+  // D rows of 16 bf16 (two 16-byte pieces) of S and of dS
+  for (int idx = threadIdx.x; idx < 4 * D; idx += kAdjThreads) {
+    const int r = (idx >> 1) % D, half = idx & 1;
+    const bool of_dS = idx >= 2 * D;
+    copy16((of_dS ? s.ph.mtile.dS[buf][r] : s.ph.mtile.S[buf][r]) + 8 * half,
+           (of_dS ? dS : S) + (size_t)r * D + j0 + 8 * half);
+  }
+  copies_issued();
+}
 template <int D>
 __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
                                    const kda_state_t* dS) {
@@ -605,10 +645,14 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
   static_assert(kAdjThreads == 256 && kSTile == 16, "eight warps split the key rows; a tile is one k-block");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   float aq[NTW][4] = {}, aw[NTW][4] = {}, ar[NTW][4] = {}, agl = 0.f;
-  for (int j0 = 0; j0 < D; j0 += kSTile) {
-    stage_tiles<D>(s, S, dS, j0);
+  issue_state_tiles<D>(s, 0, S, dS, 0);
+  for (int j0 = 0, buf = 0; j0 < D; j0 += kSTile, buf ^= 1) {
+    copies_arrived();
+    __syncthreads();  // this tile is in (and do, vcorr, dvcorr, first time); the other buffer's readers are done
+    if (j0 + kSTile < D) issue_state_tiles<D>(s, buf ^ 1, S, dS, j0 + kSTile);
     if (tid < D)
-      for (int jj = 0; jj < kSTile; ++jj) agl += s.ph.tile.S[tid][jj] * s.ph.tile.dS[tid][jj];
+      for (int jj = 0; jj < kSTile; ++jj)
+        agl += bf2f(s.ph.mtile.S[buf][tid][jj]) * bf2f(s.ph.mtile.dS[buf][tid][jj]);
     uint32_t a_do[4], a_dv[4], a_vc[4];
     a_frag<D + kPad, 1>(&s.dout[0][0], 0, j0, 1.f, a_do);
     a_frag<D + kPad, 1>(&s.dvc[0][0], 0, j0, -1.f, a_dv);
@@ -616,10 +660,9 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
 #pragma unroll
     for (int j = 0; j < NTW; ++j) {
       const int d = 8 * (NTW * warp + j) + g;
-      const float* sr = s.ph.tile.S[d];
-      const float* dr = s.ph.tile.dS[d];
-      const uint32_t bS[2] = {pack_bf16(sr[2 * t], sr[2 * t + 1]), pack_bf16(sr[2 * t + 8], sr[2 * t + 9])};
-      const uint32_t bdS[2] = {pack_bf16(dr[2 * t], dr[2 * t + 1]), pack_bf16(dr[2 * t + 8], dr[2 * t + 9])};
+      const uint32_t* sr = reinterpret_cast<const uint32_t*>(s.ph.mtile.S[buf][d]);
+      const uint32_t* dr = reinterpret_cast<const uint32_t*>(s.ph.mtile.dS[buf][d]);
+      const uint32_t bS[2] = {sr[t], sr[t + 4]}, bdS[2] = {dr[t], dr[t + 4]};
       mma_bf16(aq[j], a_do, bS);
       mma_bf16(aw[j], a_dv, bS);
       mma_bf16(ar[j], a_vc, bdS);
@@ -637,6 +680,65 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
   if (tid < D) s.dgl[tid] = expf(ch.gc[BT - 1][tid]) * agl;
 }
 
+// B4's per-key-dimension terms of key dimension e, added into this thread's sums: the pair terms of rows c in
+// [C0, C1) (dkk = dL beta_c and dqk = dAqk scale, times the decays e^{gc_c - gc_i}, i <= c), and those of the key
+// rows i in [I0, I1) of w = Af kd (dkd = Af^T dw), qd = scale q e^gc and kr = k e^{glast - gc}.
+#ifdef KDA_BWD_ONE_KEY_GROUP  // the variant build one_key_group: the first group takes every term, as before
+constexpr int kSplitRow = BT, kSplitKey = BT;
+#else
+constexpr int kSplitRow = 11, kSplitKey = 5;  // rows 0-10: 66 pairs, keys 0-4: 70 terms; the rest 70 and 66
+#endif
+template <int D, int C0, int C1, int I0, int I1>
+__device__ __forceinline__ void key_terms(const KdaBwdParams& p, const AdjSmem<D>& s, int e, float (&dq)[BT],
+                                          float (&dk)[BT], float (&dgc)[BT], float& dglast) {
+  const ChunkSmem<D>& ch = s.ch;
+#ifndef KDA_BWD_PAIRWISE_SUMS
+  // row c of the pair decays e^{gc_c - gc_i} (i <= c), carried from row c - 1: each entry times e^{a_c} (<= 1, so
+  // nothing overflows), one exponential per token where each pair took its own; row C0 - 1 from its own
+  float dec_row[BT];
+#pragma unroll
+  for (int i = 0; i < C0; ++i) dec_row[i] = expf(ch.gc[C0 - 1][e] - ch.gc[i][e]);
+#endif
+#pragma unroll
+  for (int c = C0; c < C1; ++c) {
+    const float qc = ch.q[c][e], kc = ch.k[c][e], gcc = ch.gc[c][e];
+#ifndef KDA_BWD_PAIRWISE_SUMS
+    const float ea = c == 0 ? 1.f : expf(gcc - ch.gc[c - 1][e]);
+#pragma unroll
+    for (int i = 0; i < c; ++i) dec_row[i] *= ea;
+    dec_row[c] = 1.f;
+#endif
+#pragma unroll
+    for (int i = 0; i <= c; ++i) {
+#ifndef KDA_BWD_PAIRWISE_SUMS
+      const float dec = dec_row[i], ki = ch.k[i][e];
+#else
+      const float dec = expf(gcc - ch.gc[i][e]), ki = ch.k[i][e];
+#endif
+      const float tk = s.dL[c][i] * ch.beta[c] * dec;  // dkk = dL beta_c
+      const float tq = s.dAqk[c][i] * p.scale * dec;
+      dk[c] += tk * ki;
+      dk[i] += tk * kc + tq * qc;
+      dq[c] += tq * ki;
+      const float pair = (tk * kc + tq * qc) * ki;
+      dgc[c] += pair;
+      dgc[i] -= pair;
+    }
+  }
+  const float glast = ch.gc[BT - 1][e];
+#pragma unroll
+  for (int i = I0; i < I1; ++i) {
+    float dkd = 0.f;
+    for (int c = i; c < BT; ++c) dkd += ch.X[c][i] * ch.beta[i] * s.dw[c][e];
+    const float ed = expf(ch.gc[i][e]), er = expf(glast - ch.gc[i][e]);
+    const float kr = ch.k[i][e] * er;
+    dk[i] += dkd * ed + s.dkr[i][e] * er;
+    dq[i] += s.dqd[i][e] * p.scale * ed;
+    dgc[i] += dkd * ch.k[i][e] * ed + s.dqd[i][e] * p.scale * ch.q[i][e] * ed - s.dkr[i][e] * kr;
+    dglast += s.dkr[i][e] * kr;
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
@@ -646,21 +748,31 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
   if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  load_chunk<D, kAdjThreads>(p, bh, n, s.ch, s.ph.pairs, KDA_REG_B4_LOAD);
   KDA_PROF_START(tp);
-  load_chunk<D, kAdjThreads>(p, bh, n, s.ch, s.ph.pairs);
   ChunkSmem<D>& ch = s.ch;
   const size_t slot = chunk_slot(p, bh, n);
-  for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
-    const int c = idx / D, d = idx % D;
-    s.dout[c][d] = c < len ? p.dout[(((size_t)sq.bos + t0 + c) * p.H + h) * D + d] : 0.f;
-    s.vc[c][d] = p.vcorr[slot * BT * D + idx];
-    s.dvc[c][d] = p.dvcorr[slot * BT * D + idx];
+  // 4 floats a load, every load of the thread issued before the first is used
+#pragma unroll
+  for (int it = 0; it < BT * D / 4 / kAdjThreads; ++it) {
+    const int vi = tid + it * kAdjThreads, c = vi / (D / 4), d0 = 4 * (vi % (D / 4));
+    const float4 o = c < len ? *reinterpret_cast<const float4*>(p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + d0)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 x = *reinterpret_cast<const float4*>(p.vcorr + slot * BT * D + 4 * vi);
+    const float4 y = *reinterpret_cast<const float4*>(p.dvcorr + slot * BT * D + 4 * vi);
+    const float os[4] = {o.x, o.y, o.z, o.w}, xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s.dout[c][d0 + j] = os[j];
+      s.vc[c][d0 + j] = xs[j];
+      s.dvc[c][d0 + j] = ys[j];
+    }
   }
   const kda_state_t* S = p.states + slot * D * D;
   const kda_state_t* dS = p.dstates + slot * D * D;
 #ifdef KDA_PROFILE
   __syncthreads();
-  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_REBUILD, tp);
+  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_LOAD, tp);
 #endif
 #ifdef KDA_BWD_MMA_ADJOINT
   state_products_mma<D>(s, ch, S, dS);
@@ -688,7 +800,6 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     s.dAf[c][i] = fa;
   }
   __syncthreads();
-  if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_PAIRS, tp);
   // dbeta through Af = X diag(beta); T1 = X^T dX with dX = dAf diag(beta)
   if (tid < BT) {
     const int i = tid;
@@ -723,57 +834,34 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_SMALL, tp);
 #endif
-  // the pair terms, the decays and da: one key dimension per thread
-  if (tid < D) {
-    const int e = tid;
-    float dq[BT], dk[BT], dgc[BT];
+  // the pair terms, the decays and da, one key dimension per thread: two groups of D threads share the pair rows
+  // and the key rows of w (136 terms each), the second adding its sums into the first's through shared memory
+  const int e = tid % D, grp = tid / D;
+  float dq[BT], dk[BT], dgc[BT], dglast = 0.f;
 #pragma unroll
-    for (int c = 0; c < BT; ++c) dq[c] = dk[c] = dgc[c] = 0.f;
-#ifndef KDA_BWD_PAIRWISE_SUMS
-    // row c of the pair decays e^{gc_c - gc_i} (i <= c), carried from row c - 1: each entry times e^{a_c} (<= 1, so
-    // nothing overflows), one exponential per token where each pair took its own
-    float dec_row[BT];
-#endif
+  for (int c = 0; c < BT; ++c) dq[c] = dk[c] = dgc[c] = 0.f;
+  if (grp == 0) {
+    dglast = s.dgl[e];
+    key_terms<D, 0, kSplitRow, 0, kSplitKey>(p, s, e, dq, dk, dgc, dglast);
+  } else if (grp == 1 && kSplitRow < BT) {
+    key_terms<D, kSplitRow, BT, kSplitKey, BT>(p, s, e, dq, dk, dgc, dglast);
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
-      const float qc = ch.q[c][e], kc = ch.k[c][e], gcc = ch.gc[c][e];
-#ifndef KDA_BWD_PAIRWISE_SUMS
-      const float ea = c == 0 ? 1.f : expf(gcc - ch.gc[c - 1][e]);
-#pragma unroll
-      for (int i = 0; i < c; ++i) dec_row[i] *= ea;
-      dec_row[c] = 1.f;
-#endif
-#pragma unroll
-      for (int i = 0; i <= c; ++i) {
-#ifndef KDA_BWD_PAIRWISE_SUMS
-        const float dec = dec_row[i], ki = ch.k[i][e];
-#else
-        const float dec = expf(gcc - ch.gc[i][e]), ki = ch.k[i][e];
-#endif
-        const float tk = s.dL[c][i] * ch.beta[c] * dec;  // dkk = dL beta_c
-        const float tq = s.dAqk[c][i] * p.scale * dec;
-        dk[c] += tk * ki;
-        dk[i] += tk * kc + tq * qc;
-        dq[c] += tq * ki;
-        const float pair = (tk * kc + tq * qc) * ki;
-        dgc[c] += pair;
-        dgc[i] -= pair;
-      }
+      s.ph.g.dq[c][e] = dq[c];
+      s.ph.g.dk[c][e] = dk[c];
+      s.ph.g.dal[c][e] = dgc[c];
     }
-    const float glast = ch.gc[BT - 1][e];
-    float dglast = s.dgl[e];
-    // w = Af kd (dkd = Af^T dw), qd = scale q e^gc, kr = k e^{glast - gc}
+    s.dgl_part[e] = dglast;
+  }
+  __syncthreads();
+  if (grp == 0) {
 #pragma unroll
-    for (int i = 0; i < BT; ++i) {
-      float dkd = 0.f;
-      for (int c = i; c < BT; ++c) dkd += ch.X[c][i] * ch.beta[i] * s.dw[c][e];
-      const float ed = expf(ch.gc[i][e]), er = expf(glast - ch.gc[i][e]);
-      const float kr = ch.k[i][e] * er;
-      dk[i] += dkd * ed + s.dkr[i][e] * er;
-      dq[i] += s.dqd[i][e] * p.scale * ed;
-      dgc[i] += dkd * ch.k[i][e] * ed + s.dqd[i][e] * p.scale * ch.q[i][e] * ed - s.dkr[i][e] * kr;
-      dglast += s.dkr[i][e] * kr;
+    for (int c = 0; c < BT && kSplitRow < BT; ++c) {  // the same thread reads each sum and, below, writes its place
+      dq[c] += s.ph.g.dq[c][e];
+      dk[c] += s.ph.g.dk[c][e];
+      dgc[c] += s.ph.g.dal[c][e];
     }
+    if (kSplitRow < BT) dglast += s.dgl_part[e];
     // gc = cumsum(a), glast = gc[last]: da[c] = sum_{c' >= c} dgc[c'] + dglast; then the gate
     const float A = expf(p.A_log[h]);
     float acc = dglast, dsum = 0.f;  // dsum: the chunk's share of ddt_bias[h][e]

@@ -527,6 +527,12 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   }
 
   const c10::cuda::CUDAGuard device_guard(q.device());
+  // B1 and B4 read rows of q, k, v, g and do 16 bytes a load
+  q = aligned(q);
+  k = aligned(k);
+  v = aligned(v);
+  g = aligned(g);
+  dout = aligned(dout);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto opts = q.options().dtype(f32);
   const int64_t slots = N * H * NT;

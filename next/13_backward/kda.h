@@ -69,18 +69,21 @@ enum KdaRegion {
   KDA_REG_FUSED_DECAY = 16,  // fused prepare: decay_columns (qd, kr^T, exp(glast) into the slot)
   // the backward (backward.cuh, chains_mma.cuh), each kernel's regions per chunk (slot = the chunk's workspace slot;
   // a chain's recorded by the block of its first 32 value columns)
-  KDA_REG_B1_REBUILD = 17,   // B1: the chunk rebuilt (load, norms, cumsum, pair sums, X)
-  KDA_REG_B1_STORE = 18,     // B1: the chain operands out (qd, kr, w, u, Aqk, el)
-  KDA_REG_B2_WAIT = 19,      // B2: wait for the chunk's operands (cp.async) and the block's barrier
-  KDA_REG_B2_STEP = 20,      // B2: S stored, w S, vcorr, S decayed + kr^T vcorr
-  KDA_REG_B3_WAIT = 21,      // B3: as B2's
-  KDA_REG_B3_STEP = 22,      // B3: dS stored, dvcorr, dS decayed + qd^T do - w^T dvcorr
-  KDA_REG_B4_REBUILD = 23,   // B4: the chunk rebuilt as B1 does it, with do, vcorr, dvcorr
-  KDA_REG_B4_STATES = 24,    // B4: the products with S and dS (dqd, dw, dkr, dglast)
-  KDA_REG_B4_PAIRS = 25,     // B4: dAqk, dAf (16 x 16 over the key / value dimension)
-  KDA_REG_B4_SMALL = 26,     // B4: dbeta, T1, dL (16 x 16 x 16)
-  KDA_REG_B4_KEYS = 27,      // B4: one key dimension per thread (pair terms, decays, the gate)
-  KDA_REG_B4_OUT = 28,       // B4: dv, the l2norm's adjoint, the gradients out
+  KDA_REG_B1_LOAD = 17,      // B1: the chunk's inputs, the gate, the norms, the cumulative decay
+  KDA_REG_B1_PAIRS = 18,     // B1: the pair sums kk, qk
+  KDA_REG_B1_INVERSE = 19,   // B1: X = (I + L)^-1
+  KDA_REG_B1_STORE = 20,     // B1: the chain operands out (qd, kr, w, u, Aqk, el)
+  KDA_REG_B2_WAIT = 21,      // B2: wait for the chunk's operands (cp.async) and the block's barrier
+  KDA_REG_B2_STEP = 22,      // B2: S stored, w S, vcorr, S decayed + kr^T vcorr
+  KDA_REG_B3_WAIT = 23,      // B3: as B2's
+  KDA_REG_B3_STEP = 24,      // B3: dS stored, dvcorr, dS decayed + qd^T do - w^T dvcorr
+  KDA_REG_B4_LOAD = 25,      // B4: as B1's, and do, vcorr, dvcorr
+  KDA_REG_B4_PAIRS = 26,     // B4: as B1's
+  KDA_REG_B4_INVERSE = 27,   // B4: as B1's
+  KDA_REG_B4_STATES = 28,    // B4: the products with S and dS (dqd, dw, dkr, dglast)
+  KDA_REG_B4_SMALL = 29,     // B4: the 16 x 16 adjoints (dAqk, dAf over the key / value dimension; dbeta, T1, dL)
+  KDA_REG_B4_KEYS = 30,      // B4: the per-key-dimension terms (pair terms, decays, the gate)
+  KDA_REG_B4_OUT = 31,       // B4: dv, the l2norm's adjoint, the gradients out
 };
 
 // The gate of KdaFwdParams::gate_id (the binding's gate_id).

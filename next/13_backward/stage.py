@@ -57,11 +57,11 @@ SPEC = StageSpec(
         "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
         "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
         "fused prepare: team barrier", "fused prepare: decay columns",
-        # ids 17-28: the backward's, per chunk (a chain's: one step of it)
-        "bwd: B1 rebuild", "bwd: B1 operands out",
+        # ids 17-31: the backward's, per chunk (a chain's: one step of it)
+        "bwd: B1 load", "bwd: B1 pair sums", "bwd: B1 inverse", "bwd: B1 operands out",
         "bwd: B2 wait for operands", "bwd: B2 step", "bwd: B3 wait for operands", "bwd: B3 step",
-        "bwd: B4 rebuild", "bwd: B4 state products", "bwd: B4 dAqk, dAf", "bwd: B4 dbeta, T1, dL",
-        "bwd: B4 per key dimension", "bwd: B4 dv, l2norm, out",
+        "bwd: B4 load", "bwd: B4 pair sums", "bwd: B4 inverse", "bwd: B4 state products",
+        "bwd: B4 16 x 16 adjoints", "bwd: B4 per key dimension", "bwd: B4 dv, l2norm, out",
     ),
     region_unit="cycles",
     tolerance=TOLERANCE,
@@ -171,6 +171,7 @@ BACKWARD_VARIANTS = {
     "fp32_states": ("KDA_BWD_STATES_FP32",),  # the chains' states stored for B4 in fp32 (twice the bytes)
     "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # every pair decay its own exponential (B1's and B4's pair sums, B4's pair terms)
+    "one_key_group": ("KDA_BWD_ONE_KEY_GROUP",),  # B4's per-key-dimension terms on D threads, not two groups of D
     # candidates, not on: B4's products with the states on tensor cores (its first version slower: B4 5.07 ms
     # against 4.39, results/h100/stage13/train_1465c4f.json; the second, staged in shared memory, not timed yet);
     # B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
