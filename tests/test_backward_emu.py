@@ -253,6 +253,22 @@ def test_the_shipped_build_is_within_its_tolerance(stage, case, variant):
         assert err <= SHIPPED_TOL, f"d{n}: {err:.2e}"
 
 
+def test_the_chain_operands_are_stored_in_bf16_as_the_mmas_round_them(stage):
+    """B1 stores qd, kr and w in bf16 for the tensor-core chains (kda.h kda_op_t): each is the exact build's fp32
+    operand rounded to bf16, bit for bit (the rounding the chains' fragments took of fp32 operands before)."""
+    case = CASES[0]
+    _, _, _, got = _shipped_case(stage, case)
+    _, _, _, ref = _shipped_case(stage, case, "exact")
+    for name in ("qd", "kr", "w"):
+        assert got[name].dtype == torch.bfloat16 and ref[name].dtype == torch.float32, name
+        real = torch.isfinite(ref[name])  # slots past a sequence's end are never written
+        assert real.any() and torch.equal(got[name][real], ref[name][real].to(torch.bfloat16)), name
+    # the same chains reading fp32 operands and rounding them as they read (the variant fp32_operands): the same bits
+    _, _, _, f32ops = _shipped_case(stage, case, "fp32_operands")
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "states", "dstates", "vcorr", "dvcorr"):
+        assert torch.equal(got[name].nan_to_num(7.0), f32ops[name].nan_to_num(7.0)), name
+
+
 def test_the_check_fails_on_wrong_gradients(stage):
     """The comparison itself: the same inputs with the gate taken as the other one give gradients far off."""
     B, T, H, K, gate, lb, h0, seed = CASES[1]
@@ -340,7 +356,7 @@ def test_the_declared_bytes_are_the_workspace(stage):
     want = stage.backward_bytes(B, T, H, K)["workspace"]
     nbytes = {n: got[n].numel() * got[n].element_size() for n in ("qd", "kr", "w", "u", "Aqk", "el", "states",
                                                                     "dstates", "vcorr", "dvcorr")}
-    assert want["qd, kr, w (fp32)"] == nbytes["qd"] + nbytes["kr"] + nbytes["w"]
+    assert want["qd, kr, w"] == nbytes["qd"] + nbytes["kr"] + nbytes["w"]
     assert want["u (fp32)"] == nbytes["u"]
     assert want["Aqk, exp(glast) (fp32)"] == nbytes["Aqk"] + nbytes["el"]
     assert want["entry states, exit gradients"] == nbytes["states"] + nbytes["dstates"]

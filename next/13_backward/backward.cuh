@@ -75,6 +75,14 @@ __device__ __forceinline__ kda_state_t to_state(float x) {
   return __float2bfloat16_rn(x);
 #endif
 }
+// A chain operand as B1 stores it (kda_op_t).
+__device__ __forceinline__ kda_op_t to_op(float x) {
+#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+  return x;
+#else
+  return __float2bfloat16_rn(x);
+#endif
+}
 __device__ __forceinline__ float from_state(kda_state_t x) {
 #ifdef KDA_BWD_STATES_FP32
   return x;
@@ -285,8 +293,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_
     for (int c = 0; c < BT; ++c) {
       const float ed = expf(s.gc[c][d]);
       kd[c] = s.k[c][d] * ed;
-      p.qd[(slot * BT + c) * D + d] = p.scale * s.q[c][d] * ed;
-      p.kr[(slot * BT + c) * D + d] = s.k[c][d] * expf(glast - s.gc[c][d]);
+      p.qd[(slot * BT + c) * D + d] = to_op(p.scale * s.q[c][d] * ed);
+      p.kr[(slot * BT + c) * D + d] = to_op(s.k[c][d] * expf(glast - s.gc[c][d]));
     }
 #pragma unroll
     for (int c = 0; c < BT; ++c) {
@@ -297,7 +305,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_
         w += af * kd[i];
         u += af * s.v[i][d];
       }
-      p.w[(slot * BT + c) * D + d] = w;
+      p.w[(slot * BT + c) * D + d] = to_op(w);
       p.u[(slot * BT + c) * D + d] = u;
     }
     p.el[slot * D + d] = expf(glast);
@@ -359,12 +367,14 @@ __device__ __forceinline__ void copies_arrived() {
 
 constexpr int kChainThreads = kVTile * kChainWarps;
 
-// Rows 0 .. BT - 1 of a block W floats wide at src (rows src_ld floats apart) into dst (rows LD >= W floats long), by
-// NTHR threads, 16 bytes a copy. Both chain kernels' operand copies (the tensor-core one's rows are longer).
-template <int NTHR, int W, int LD>
-__device__ __forceinline__ void copy_rows(const float* src, float (&dst)[BT][LD], int src_ld = W) {
-  for (int v = threadIdx.x; v < BT * W / 4; v += NTHR) {
-    const int c = v / (W / 4), j = 4 * (v % (W / 4));
+// Rows 0 .. BT - 1 of a block W elements wide at src (rows src_ld elements apart) into dst (rows LD >= W elements
+// long), by NTHR threads, 16 bytes a copy. Both chain kernels' operand copies (the tensor-core one's rows are
+// longer, and its qd, kr, w bf16).
+template <int NTHR, int W, int LD, class T>
+__device__ __forceinline__ void copy_rows(const T* src, T (&dst)[BT][LD], int src_ld = W) {
+  constexpr int E = 16 / sizeof(T);  // elements a copy
+  for (int v = threadIdx.x; v < BT * W / E; v += NTHR) {
+    const int c = v / (W / E), j = E * (v % (W / E));
     copy16(&dst[c][j], src + (size_t)c * src_ld + j);
   }
 }

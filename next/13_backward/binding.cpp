@@ -536,8 +536,13 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto opts = q.options().dtype(f32);
   const int64_t slots = N * H * NT;
-  torch::Tensor qd = torch::empty({slots, kChunk, K}, opts), kr = torch::empty({slots, kChunk, K}, opts);
-  torch::Tensor w = torch::empty({slots, kChunk, K}, opts), u = torch::empty({slots, kChunk, V}, opts);
+#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+  const auto op_opts = opts;
+#else
+  const auto op_opts = q.options().dtype(torch::kBFloat16);
+#endif
+  torch::Tensor qd = torch::empty({slots, kChunk, K}, op_opts), kr = torch::empty({slots, kChunk, K}, op_opts);
+  torch::Tensor w = torch::empty({slots, kChunk, K}, op_opts), u = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor Aqk = torch::empty({slots, kChunk, kChunk}, opts), el = torch::empty({slots, K}, opts);
 #ifdef KDA_BWD_STATES_FP32
   const auto state_opts = opts;
@@ -574,9 +579,9 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.gate_id = (int)gate_id;
   p.dout = dout.data_ptr<float>();
   p.dht = present(dht) ? dht_k.data_ptr<float>() : nullptr;
-  p.qd = qd.data_ptr<float>();
-  p.kr = kr.data_ptr<float>();
-  p.w = w.data_ptr<float>();
+  p.qd = reinterpret_cast<kda_op_t*>(qd.data_ptr());
+  p.kr = reinterpret_cast<kda_op_t*>(kr.data_ptr());
+  p.w = reinterpret_cast<kda_op_t*>(w.data_ptr());
   p.u = u.data_ptr<float>();
   p.Aqk = Aqk.data_ptr<float>();
   p.el = el.data_ptr<float>();

@@ -27,14 +27,18 @@ namespace bwd {
 
 constexpr int kMmaChainWarps = kVTile / 16;  // a chain block's warps: 16 value columns each
 constexpr int kMmaChainThreads = 32 * kMmaChainWarps;
-constexpr int kOpPad = 4;  // floats added to each operand row: conflict-free fragment reads (below)
+constexpr int kOpPad = 4;   // floats added to each fp32 operand row (Aqk, u, do): conflict-free fragment reads
+constexpr int kOpPadH = 8;  // halves added to each bf16 operand row (qd, kr, w): 16 bytes, see MmaChainOps
+constexpr int kOpRow = sizeof(kda_op_t) == 2 ? kOpPadH : kOpPad;  // fp32 qd, kr, w: the variant fp32_operands
 
-// One chunk's operands of a chain in shared memory, fp32 as B1 wrote them, rows kOpPad floats longer: a lane
-// (g, t) reading row 2t at column g (a transposed operand) then lands on bank 8t + g, every lane on its own, and
-// one reading row g at column 2t on bank 4g + 2t, two lanes a bank (rows of D floats: 8 and 4 lanes a bank).
+// One chunk's operands of a chain in shared memory. qd, kr, w bf16 as B1 wrote them, their A fragments taken by
+// ldmatrix (one instruction a 16 x 16 fragment, transposed or not), rows kOpPadH halves longer: the eight rows of
+// one 8 x 8 matrix (16 bytes each, 2 (D + 8) bytes apart: 4 banks on from the last) then cover the 32 banks once.
+// Aqk, u and do fp32 as B1 and the caller wrote them, rows kOpPad floats longer: a lane (g, t) reading row 2t at
+// column g (Aqk transposed) then lands on bank 8t + g, every lane on its own (rows of D floats: 8 lanes a bank).
 template <int D>
 struct MmaChainOps {
-  float a[BT][D + kOpPad], b[BT][D + kOpPad], c[BT][D + kOpPad];  // w, kr (B2); kr, qd, w (B3)
+  kda_op_t a[BT][D + kOpRow], b[BT][D + kOpRow], c[BT][D + kOpRow];  // w, kr (B2); kr, qd, w (B3)
   float el[D];
   float aqk[BT][BT + kOpPad];
   float e[BT][kVTile + kOpPad];  // u (B2) or do (B3), this block's columns
@@ -100,6 +104,51 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
 #endif
 }
 
+// Four 8 x 8 bf16 matrices from shared memory (ldmatrix.x4): lane 8 j + r gives the address of row r of matrix j (16
+// bytes); lane (g, t) gets in d[j] M_j[g][2t..2t+1], or with `trans` M_j[2t][g], M_j[2t+1][g]. The emulator reads
+// the rows at the warp's addresses.
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(const __nv_bfloat16* row, uint32_t (&d)[4]) {
+#ifdef KDA_EMULATED
+  const uint64_t at = reinterpret_cast<uintptr_t>(row);
+  const uint32_t mine[2] = {(uint32_t)at, (uint32_t)(at >> 32)};
+  const uint32_t* all = kda_emu::warp_exchange(mine, 2);
+  auto row_of = [&](int l) {
+    return reinterpret_cast<const uint16_t*>(
+        (uintptr_t)((uint64_t)all[l * kda_emu::kWords] | (uint64_t)all[l * kda_emu::kWords + 1] << 32));
+  };
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int j = 0; j < 4; ++j)
+    d[j] = kTrans ? (uint32_t)row_of(8 * j + 2 * t)[g] | (uint32_t)row_of(8 * j + 2 * t + 1)[g] << 16
+                  : (uint32_t)row_of(8 * j + g)[2 * t] | (uint32_t)row_of(8 * j + g)[2 * t + 1] << 16;
+  kda_emu::warp_exchange_end();
+#else
+  const unsigned s = (unsigned)__cvta_generic_to_shared(row);
+  if (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(s));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(s));
+#endif
+}
+
+// The A fragment of the 16 x 16 block of X [16, LD] (bf16, row-major) at columns k0, by ldmatrix: a[0] = rows 0-7,
+// a[1] = rows 8-15 of columns k0 .. k0 + 7, a[2], a[3] the same of columns k0 + 8 .. k0 + 15.
+template <int LD>
+__device__ __forceinline__ void op_frag(const __nv_bfloat16 (&x)[BT][LD], int k0, uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+  ldsm_x4<false>(&x[r + 8 * (j & 1)][k0 + 8 * (j >> 1)], a);
+}
+// The A fragment of the 16 x 16 block of X^T at rows m0 (X [16, LD] bf16 row-major: A[m][k] = X[k][m0 + m]), by
+// ldmatrix.trans: a[0] = A rows 0-7 (X columns m0 .. m0 + 7) of X rows 0-7, a[1] = A rows 8-15 of them, a[2], a[3]
+// the same of X rows 8-15.
+template <int LD>
+__device__ __forceinline__ void op_frag_t(const __nv_bfloat16 (&x)[BT][LD], int m0, uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31, j = lane >> 3, r = lane & 7;
+  ldsm_x4<true>(&x[r + 8 * (j >> 1)][m0 + 8 * (j & 1)], a);
+}
+
 // Accumulators of X [16 MT, 16] (c[mt][nt][v]) -> the B fragments of X as (k = its rows, n = its columns),
 // rounded to bf16: half h of accumulator tile (mt, nt), transposed, is word h of B tile (kt = mt, nt).
 template <int MT>
@@ -123,6 +172,16 @@ __device__ __forceinline__ void a_frag(const float* x, int r0, int k0, float sgn
     const int r = g + 8 * (i & 1), k = 2 * t + 8 * (i >> 1);
     a[i] = pack_bf16(at(r, k), at(r, k + 1));
   }
+}
+
+// The same two fragments from fp32 rows, rounded to bf16 as they are read (the variant fp32_operands).
+template <int LD>
+__device__ __forceinline__ void op_frag(const float (&x)[BT][LD], int k0, uint32_t (&a)[4]) {
+  a_frag<LD, 1>(&x[0][0], 0, k0, 1.f, a);
+}
+template <int LD>
+__device__ __forceinline__ void op_frag_t(const float (&x)[BT][LD], int m0, uint32_t (&a)[4]) {
+  a_frag<1, LD>(&x[0][0], m0, 0, 1.f, a);
 }
 
 // Lane (g, t)'s element v of accumulator tile (mt, nt): row 16 mt + g + 8 (v / 2), column 8 nt + 2 t + v % 2.
@@ -171,15 +230,14 @@ __device__ __forceinline__ void decay_rows(const float* el, float (&x)[D / 16][2
     }
 }
 
-// x[mt] += A_mt B for every 16-row block mt of A [K, 16] = x-like (rs = 1, ks = row length: the transpose of a
-// stored [16, K] operand), times sgn.
+// x[mt] += A_mt B for every 16-row block mt of A [K, 16] = m^T (m a stored [16, K] operand): x += m^T B.
 template <int D>
-__device__ __forceinline__ void add_transposed_product(const float* m, float sgn, const uint32_t (&b)[1][2][2],
-                                                       float (&x)[D / 16][2][4]) {
+__device__ __forceinline__ void add_transposed_product(const kda_op_t (&m)[BT][D + kOpRow],
+                                                       const uint32_t (&b)[1][2][2], float (&x)[D / 16][2][4]) {
 #pragma unroll
   for (int mt = 0; mt < D / 16; ++mt) {
     uint32_t a[4];
-    a_frag<1, D + kOpPad>(m, 16 * mt, 0, sgn, a);
+    op_frag_t(m, 16 * mt, a);
     mma_bf16(x[mt][0], a, b[0][0]);
     mma_bf16(x[mt][1], a, b[0][1]);
   }
@@ -187,11 +245,12 @@ __device__ __forceinline__ void add_transposed_product(const float* m, float sgn
 
 // y += A S for A [16, K] stored row-major, S the state's B fragments.
 template <int D>
-__device__ __forceinline__ void add_row_product(const float* m, const uint32_t (&sb)[D / 16][2][2], float (&y)[2][4]) {
+__device__ __forceinline__ void add_row_product(const kda_op_t (&m)[BT][D + kOpRow],
+                                                const uint32_t (&sb)[D / 16][2][2], float (&y)[2][4]) {
 #pragma unroll
   for (int kt = 0; kt < D / 16; ++kt) {
     uint32_t a[4];
-    a_frag<D + kOpPad, 1>(m, 0, 16 * kt, 1.f, a);
+    op_frag(m, 16 * kt, a);
     mma_bf16(y[0], a, sb[kt][0]);
     mma_bf16(y[1], a, sb[kt][1]);
   }
@@ -219,7 +278,7 @@ __device__ void states_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int 
     if (n + 1 < nt) issue_states<kMmaChainThreads, D>(p, s.ops[(n + 1) & 1], chunk_slot(p, bh, n + 1), col0);
     store_state<D>(p.states + slot * D * D, cw, S);
     float vc[2][4] = {};
-    add_row_product<D>(&o.a[0][0], Sb, vc);  // w S
+    add_row_product<D>(o.a, Sb, vc);  // w S
 #pragma unroll
     for (int nt2 = 0; nt2 < 2; ++nt2)
 #pragma unroll
@@ -232,7 +291,7 @@ __device__ void states_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int 
     uint32_t vb[1][2][2];
     acc_to_b<1>(reinterpret_cast<const float(&)[1][2][4]>(vc), vb);
     decay_rows<D>(o.el, S);
-    add_transposed_product<D>(&o.b[0][0], 1.f, vb, S);  // + kr^T vcorr
+    add_transposed_product<D>(o.b, vb, S);  // + kr^T vcorr
     acc_to_b<D / 16>(S, Sb);
     if (timer) KDA_PROF_LAP(p.prof, slot, KDA_REG_B2_STEP, tp);
   }
@@ -271,7 +330,7 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
         dob[0][nt2][hh] = pack_bf16(o.e[c][j], o.e[c + 1][j]);
       }
     float dv[2][4] = {};
-    add_row_product<D>(&o.a[0][0], dSb, dv);  // kr dS
+    add_row_product<D>(o.a, dSb, dv);  // kr dS
     uint32_t a[4];
     a_frag<1, BT + kOpPad>(&o.aqk[0][0], 0, 0, 1.f, a);  // Aqk^T
     mma_bf16(dv[0], a, dob[0][0]);
@@ -285,8 +344,13 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
     uint32_t dvb[1][2][2];
     acc_to_b<1>(reinterpret_cast<const float(&)[1][2][4]>(dv), dvb);
     decay_rows<D>(o.el, dS);
-    add_transposed_product<D>(&o.b[0][0], 1.f, dob, dS);   // + qd^T do
-    add_transposed_product<D>(&o.c[0][0], -1.f, dvb, dS);  // - w^T dvcorr
+    add_transposed_product<D>(o.b, dob, dS);  // + qd^T do
+    // - w^T dvcorr: dvcorr's B fragments negated (the sign bit of each bf16)
+#pragma unroll
+    for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) dvb[0][nt2][hh] ^= 0x80008000u;
+    add_transposed_product<D>(o.c, dvb, dS);
     acc_to_b<D / 16>(dS, dSb);
     if (timer) KDA_PROF_LAP(p.prof, slot, KDA_REG_B3_STEP, tp);
   }

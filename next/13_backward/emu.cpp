@@ -74,7 +74,13 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   torch::Tensor dbeta = grad({B, T, H}), dal = nan({B, T, H});
   torch::Tensor ddt = torch::zeros({N * H * NT, D}, o);  // as the binding: zero where no chunk runs
   torch::Tensor dh0 = h0.has_value() ? nan({N, H, D, D}) : torch::Tensor();
-  torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D}), u = nan({S, 16, D});
+#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+  torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D});
+#else
+  const auto b16 = o.dtype(torch::kBFloat16);
+  torch::Tensor qd = torch::full({S, 16, D}, NAN, b16), kr = torch::full({S, 16, D}, NAN, b16), w = torch::full({S, 16, D}, NAN, b16);
+#endif
+  torch::Tensor u = nan({S, 16, D});
   torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D});
 #ifdef KDA_BWD_STATES_FP32
   torch::Tensor st = nan({S, D, D}), dst = nan({S, D, D});
@@ -103,9 +109,9 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.gate_id = (int)gate_id;
   p.dout = f32(dout);
   p.dht = dht.has_value() ? f32(*dht) : nullptr;
-  p.qd = qd.data_ptr<float>();
-  p.kr = kr.data_ptr<float>();
-  p.w = w.data_ptr<float>();
+  p.qd = reinterpret_cast<kda_op_t*>(qd.data_ptr());
+  p.kr = reinterpret_cast<kda_op_t*>(kr.data_ptr());
+  p.w = reinterpret_cast<kda_op_t*>(w.data_ptr());
   p.u = u.data_ptr<float>();
   p.Aqk = Aqk.data_ptr<float>();
   p.el = el.data_ptr<float>();

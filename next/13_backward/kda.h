@@ -208,6 +208,15 @@ using kda_state_t = float;
 #else
 using kda_state_t = __nv_bfloat16;
 #endif
+// The chains' [16, K] operands qd, kr, w as B1 stores them: bf16, as the tensor-core chains' MMAs take them (the
+// rounding they took of fp32 operands before, so the same bits at half the bytes); fp32 for the CUDA-core chains
+// (KDA_BWD_FP32_CHAINS: the variant fp32_chains and the exact build), and for the variant fp32_operands
+// (KDA_BWD_FP32_OPERANDS: the tensor-core chains reading fp32 operands, rounding them as they read them).
+#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+using kda_op_t = float;
+#else
+using kda_op_t = __nv_bfloat16;
+#endif
 
 struct KdaBwdParams {
   int B, T, H, D;  // D = K = V
@@ -222,8 +231,8 @@ struct KdaBwdParams {
   int gate_id;           // KDA_GATE_SOFTPLUS or KDA_GATE_BOUNDED
   const float* dout;     // [B, T, H, V] fp32, the gradient of o
   const float* dht;      // [N, H, K, V] fp32, the gradient of the final state, or nullptr
-  // ---- workspace, one slot per chunk [N H, NT, ...], fp32 but the states ----
-  float *qd, *kr, *w;    // [.., 16, K]
+  // ---- workspace, one slot per chunk [N H, NT, ...], fp32 but the states and qd, kr, w ----
+  kda_op_t *qd, *kr, *w;  // [.., 16, K]
   float* u;              // [.., 16, V]
   float* Aqk;            // [.., 16, 16]
   float* el;             // [.., K]  exp(glast)

@@ -145,15 +145,16 @@ class EmulatedExtension:
             dh0.copy_(k_first(out[6]))
 
 
-def backward_bytes(B, T, H, K, *, states_bytes=2, grads_bytes=2) -> dict:
+def backward_bytes(B, T, H, K, *, states_bytes=2, ops_bytes=2, grads_bytes=2) -> dict:
     """What the backward allocates at a shape (N = B sequences of T tokens, K = V), by tensor, in bytes: the
     workspace that lives between its kernels (binding.cpp bwd_impl), per chunk of 16 tokens and head, and the
     gradients it writes (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). The states are
-    bf16 (``states_bytes`` 4: the fp32_states build). Nothing of the forward is kept but its inputs."""
+    bf16 (``states_bytes`` 4: the fp32_states build), and so are the chains' operands qd, kr, w (``ops_bytes`` 4:
+    the fp32_chains build). Nothing of the forward is kept but its inputs."""
     slots = B * H * (-(-T // 16))
     f32 = 4
     work = {
-        "qd, kr, w (fp32)": 3 * slots * 16 * K * f32,
+        "qd, kr, w": 3 * slots * 16 * K * ops_bytes,
         "u (fp32)": slots * 16 * K * f32,
         "Aqk, exp(glast) (fp32)": slots * (16 * 16 + K) * f32,
         "entry states, exit gradients": 2 * slots * K * K * states_bytes,
@@ -171,6 +172,7 @@ BACKWARD_VARIANTS = {
     "fp32_states": ("KDA_BWD_STATES_FP32",),  # the chains' states stored for B4 in fp32 (twice the bytes)
     "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # every pair decay its own exponential (B1's and B4's pair sums, B4's pair terms)
+    "fp32_operands": ("KDA_BWD_FP32_OPERANDS",),  # B1's qd, kr, w in fp32, the tensor-core chains rounding them as they read
     "one_key_group": ("KDA_BWD_ONE_KEY_GROUP",),  # B4's per-key-dimension terms on D threads, not two groups of D
     # candidates, not on: B4's products with the states on tensor cores (its first version slower: B4 5.07 ms
     # against 4.39, results/h100/stage13/train_1465c4f.json; the second, staged in shared memory, not timed yet);
