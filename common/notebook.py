@@ -1988,3 +1988,20 @@ def backward_model_check(B: int = 2, T: int = 37, H: int = 2, K: int = 16, seed:
                 problems.append(f"{gate} d{n}: {err:.1e}")
     fail_if(problems, "the chunked backward's algorithm against autograd")
     return pd.DataFrame(rows).pivot(index="gradient", columns="gate", values="rel_err")
+
+
+def backward_profile(record: str = "stage13/bwd_profile_560f07e", device_dir: str = "h100",
+                     gate: str = "softplus") -> pd.DataFrame:
+    """Where stage 13's backward spends its time, from a record of scripts/profile_backward.py: clock64 cycles
+    per chunk in each region of its kernels (B1 and B4 a block per chunk, a chain one step of one block), each
+    region's share of its kernel, for the stage's build and each variant the record holds. Prints the record."""
+    data = results.recorded(record, device_dir)
+    if data is None:
+        raise FileNotFoundError(f"results/{device_dir}/{record}.json is not there")
+    _say_recorded(data["meta"])
+    rows = [r for r in data["rows"] if r["gate"] == gate]
+    df = pd.DataFrame([dict(build=r.get("variant") or "stage", kernel=r["region"][5:7],
+                            region=r["region"][8:], cycles=r["value"]) for r in rows])
+    df["share of its kernel"] = df["cycles"] / df.groupby(["build", "kernel"])["cycles"].transform("sum")
+    return df.pivot_table(index=["kernel", "region"], columns="build", values=["cycles", "share of its kernel"],
+                          sort=False).round(2)

@@ -553,7 +553,7 @@ struct AdjSmem {
     struct {
       float S[D][kSTile + 1], dS[D][kSTile + 1];  // a 16-column tile of S and of dS
     } tile;
-    struct alignas(16) {  // the same tiles as stored (bf16), two of each, for the tensor-core products (mma_adjoint)
+    struct alignas(16) {  // the same tiles as stored (bf16), two of each, for the tensor-core products
       __nv_bfloat16 S[2][D][kSTile + 8], dS[2][D][kSTile + 8];
     } mtile;
     PairScratch<D> pairs;    // load_chunk's
@@ -624,17 +624,18 @@ __device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const
   if (grp == 0) s.dgl[d] = expf(ch.gc[BT - 1][d]) * agl;
 }
 
-// The same on tensor cores: the variant build mma_adjoint, a candidate not turned on. Each product is [16, V] x
+// The same on tensor cores, the stage's (fp32_adjoint, and every build with fp32 states, runs the products above;
+// the build mma_adjoint of 560f07e, its tiles staged in fp32 by plain loads, took the step from 7.84 to 7.31 ms at
+// B1 T8192 H32 K128, an H100: results/h100/stage13/train_560f07e.json). Each product is [16, V] x
 // [V, K] with the state as stored, [K, V] with V contiguous: row d of S is column d of the B operand, so 16 columns
 // of S and dS are one k-block, and a B fragment's two words are two bf16 pairs of row d as stored
 // (b[0] = S[d][2t..2t+1], b[1] = S[d][2t+8..2t+9] of the tile). The tiles come in by cp.async as stored, bf16, the
 // next while the current one is multiplied; their rows are 24 halves long, so that a fragment read (row g, word t)
 // lands on bank 12 g + t mod 32, every lane on its own. Warp w takes the key rows d of its D / 8 columns; do,
 // dvcorr and vcorr are the A operands, rounded to bf16 as they are read. (Its first version read the fragments
-// straight from global memory and made B4 5.07 ms against 4.39 on the CUDA cores at B1 T8192 H32 K128, an H100 at
-// 1465c4f: results/h100/stage13/train_1465c4f.json. This one is not timed yet.)
-#if defined(KDA_BWD_MMA_ADJOINT) && defined(KDA_BWD_STATES_FP32)
-#error "mma_adjoint takes the states as stored in bf16: it cannot be built with KDA_BWD_STATES_FP32"
+// straight from global memory and made B4 5.07 ms against 4.39 on the CUDA cores: train_1465c4f.json.)
+#if defined(KDA_BWD_STATES_FP32) && !defined(KDA_BWD_FP32_ADJOINT)
+#error "B4's tensor-core products take the states as stored in bf16: a build with KDA_BWD_STATES_FP32 needs KDA_BWD_FP32_ADJOINT"
 #endif
 template <int D>
 __device__ __forceinline__ void issue_state_tiles(AdjSmem<D>& s, int buf, const kda_state_t* S, const kda_state_t* dS,
@@ -784,10 +785,10 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_LOAD, tp);
 #endif
-#ifdef KDA_BWD_MMA_ADJOINT
-  state_products_mma<D>(s, ch, S, dS);
-#else
+#ifdef KDA_BWD_FP32_ADJOINT
   state_products_fp32<D>(s, ch, S, dS);
+#else
+  state_products_mma<D>(s, ch, S, dS);
 #endif
   __syncthreads();  // the tiles are done with: kd takes their place
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_STATES, tp);

@@ -169,20 +169,19 @@ def backward_bytes(B, T, H, K, *, states_bytes=2, ops_bytes=2, grads_bytes=2) ->
 # name -> the preprocessor defines that turn one change off.
 BACKWARD_VARIANTS = {
     "no_pad": ("KDA_BWD_NO_PAD",),  # rows of K floats in shared memory (16-way bank conflicts)
-    "fp32_states": ("KDA_BWD_STATES_FP32",),  # the chains' states stored for B4 in fp32 (twice the bytes)
+    # the chains' states stored for B4 in fp32 (twice the bytes), B4's products with them then on the CUDA cores
+    "fp32_states": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_ADJOINT"),
     "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # every pair decay its own exponential (B1's and B4's pair sums, B4's pair terms)
     "fp32_operands": ("KDA_BWD_FP32_OPERANDS",),  # B1's qd, kr, w in fp32, the tensor-core chains rounding them as they read
     "one_key_group": ("KDA_BWD_ONE_KEY_GROUP",),  # B4's per-key-dimension terms on D threads, not two groups of D
-    # candidates, not on: B4's products with the states on tensor cores (its first version slower: B4 5.07 ms
-    # against 4.39, results/h100/stage13/train_1465c4f.json; the second, staged in shared memory, not timed yet);
-    # B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
-    "mma_adjoint": ("KDA_BWD_MMA_ADJOINT",),
+    "fp32_adjoint": ("KDA_BWD_FP32_ADJOINT",),  # B4's products with S and dS on the CUDA cores, in fp32
+    # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
     # not a change but the reference build: every product and stored state in fp32, so that each kernel's output
     # is the fp64 model's to fp32 round-off (scripts/check_backward.py --kernels, tests/test_backward_emu.py)
-    "exact": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_CHAINS"),
+    "exact": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_ADJOINT"),
 }
 
 
