@@ -357,7 +357,7 @@ def chunk_kda_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                             torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's kernels (BACKWARD): from the forward's inputs (nothing of the forward is kept: the
-    kernels recompute it) and the gradients of o (do, fp32) and of the final state (dht or None), the
+    kernels recompute it) and the gradients of o (do, bf16 or fp32) and of the final state (dht or None), the
     gradients of q, k, v, g [B, T, H, K] and beta [B, T, H] in their inputs' dtype (bf16: the kernels write
     them so), of A_log [H], dt_bias [H, K] and initial_state (an empty [0] tensor without one) in fp32."""
     f32 = torch.float32
@@ -409,7 +409,8 @@ def _backward(ctx, do, dht):
         do = q.new_zeros(v.shape, dtype=torch.float32)
     dht = dht if ctx.output_final_state and dht is not None else None
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = torch.ops.kdalab.chunk_kda_bwd(
-        q, k, v, g, beta, A, dtb, initial_state, cu_seqlens, do.to(torch.float32).contiguous(),
+        q, k, v, g, beta, A, dtb, initial_state, cu_seqlens,
+        (do if do.dtype == torch.bfloat16 else do.to(torch.float32)).contiguous(),  # o's dtype, as it came
         None if dht is None else dht.contiguous(), scale, gate_id, lower_bound, state_v_first, max_seqlen)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
             None if A_log is None else dA_log, None if dt_bias is None else ddt_bias,

@@ -271,6 +271,20 @@ def test_the_chain_operands_are_stored_in_bf16_as_the_mmas_round_them(stage):
         assert torch.equal(got[name].nan_to_num(7.0), f32ops[name].nan_to_num(7.0)), name
 
 
+def test_do_in_bf16_is_do_in_fp32_of_the_same_values(stage):
+    """The op gives the kernels o's gradient as it comes, bf16 (B3 and B4 read it so): the same bits as an fp32 do
+    holding the same values, on a case with a tail and on packed sequences."""
+    kw, do, dht, cu = _packed_case("bounded", -3.0, seed=5)
+    for kw, do, dht, gate, lb, cu in (_case(*CASES[0]) + CASES[0][4:6] + (None,), (kw, do, dht, "bounded", -3.0, cu)):
+        args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, dht=dht, cu_seqlens=cu)
+        do = do.to(torch.bfloat16).float()
+        a = stage.emulate_backward(**args, do=do)
+        b = stage.emulate_backward(**args, do=do, do_bf16=True)
+        for n in NAMES + ("states", "dstates", "vcorr", "dvcorr"):
+            if a[n] is not None:
+                assert torch.equal(a[n].nan_to_num(7.0), b[n].nan_to_num(7.0)), n
+
+
 def test_the_check_fails_on_wrong_gradients(stage):
     """The comparison itself: the same inputs with the gate taken as the other one give gradients far off."""
     B, T, H, K, gate, lb, h0, seed = CASES[1]

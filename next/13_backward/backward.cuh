@@ -405,10 +405,19 @@ __device__ void issue_reverse(const KdaBwdParams& p, Ops& o, size_t slot, const 
   for (int v = threadIdx.x; v < D / 4; v += NTHR) copy16(o.el + 4 * v, p.el + slot * D + 4 * v);
   copy_rows<NTHR, BT>(p.Aqk + slot * BT * BT, o.aqk);
   const int t0 = n * BT, len = min(BT, sq.len - t0);
-  for (int v = threadIdx.x; v < BT * kVTile / 4; v += NTHR) {
-    const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
-    const bool real = c < len;
-    copy16(&o.e[c][j], real ? p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + j : p.dout, real);
+  if (p.dout_bf != nullptr) {  // do in bf16 (only the tensor-core chain takes it: the binding gives the fp32 chains fp32)
+    for (int v = threadIdx.x; v < BT * kVTile / 8; v += NTHR) {
+      const int c = v / (kVTile / 8), j = 8 * (v % (kVTile / 8));
+      const bool real = c < len;
+      copy16(reinterpret_cast<__nv_bfloat16*>(&o.e[c][0]) + j,
+             real ? p.dout_bf + (((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + j : p.dout_bf, real);
+    }
+  } else {
+    for (int v = threadIdx.x; v < BT * kVTile / 4; v += NTHR) {
+      const int c = v / (kVTile / 4), j = 4 * (v % (kVTile / 4));
+      const bool real = c < len;
+      copy16(&o.e[c][j], real ? p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + col0 + j : p.dout, real);
+    }
   }
   copies_issued();
 }
@@ -767,8 +776,15 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
 #pragma unroll
   for (int it = 0; it < BT * D / 4 / kAdjThreads; ++it) {
     const int vi = tid + it * kAdjThreads, c = vi / (D / 4), d0 = 4 * (vi % (D / 4));
-    const float4 o = c < len ? *reinterpret_cast<const float4*>(p.dout + (((size_t)sq.bos + t0 + c) * p.H + h) * D + d0)
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    const size_t at = (((size_t)sq.bos + t0 + c) * p.H + h) * D + d0;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < len && p.dout_bf != nullptr) {  // do in bf16: four halves
+      const uint2 x = *reinterpret_cast<const uint2*>(p.dout_bf + at);
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&x);
+      o = make_float4(bf2f(e[0]), bf2f(e[1]), bf2f(e[2]), bf2f(e[3]));
+    } else if (c < len) {
+      o = *reinterpret_cast<const float4*>(p.dout + at);
+    }
     const float4 x = *reinterpret_cast<const float4*>(p.vcorr + slot * BT * D + 4 * vi);
     const float4 y = *reinterpret_cast<const float4*>(p.dvcorr + slot * BT * D + 4 * vi);
     const float os[4] = {o.x, o.y, o.z, o.w}, xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};

@@ -496,8 +496,13 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
     check_tensor(*h0, "h0", q, f32);
     check_shape(*h0, "h0", state_shape);
   }
-  check_tensor(dout, "do", q, f32);
+  TORCH_CHECK(dout.defined() && (dout.scalar_type() == f32 || dout.scalar_type() == torch::kBFloat16),
+              "do must be float32 or bfloat16 (o's dtype), got ", dout.defined() ? dout.scalar_type() : f32);
+  check_tensor(dout, "do", q, dout.scalar_type());
   check_shape(dout, "do", {B, T, H, V});
+#ifdef KDA_BWD_FP32_CHAINS
+  if (dout.scalar_type() == torch::kBFloat16) dout = dout.to(f32);  // the CUDA-core chains read do in fp32
+#endif
   if (present(dht)) {
     check_tensor(*dht, "dht", q, f32);
     check_shape(*dht, "dht", state_shape);
@@ -577,7 +582,8 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
   p.gate_id = (int)gate_id;
-  p.dout = dout.data_ptr<float>();
+  p.dout = dout.scalar_type() == f32 ? dout.data_ptr<float>() : nullptr;
+  p.dout_bf = dout.scalar_type() == f32 ? nullptr : bptr(dout);
   p.dht = present(dht) ? dht_k.data_ptr<float>() : nullptr;
   p.qd = reinterpret_cast<kda_op_t*>(qd.data_ptr());
   p.kr = reinterpret_cast<kda_op_t*>(kr.data_ptr());

@@ -327,7 +327,13 @@ __device__ void reverse_chain_mma(const KdaBwdParams& p, MmaChainSmem<D>& s, int
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int c = 2 * t + 8 * hh, j = 16 * warp + 8 * nt2 + g;
-        dob[0][nt2][hh] = pack_bf16(o.e[c][j], o.e[c + 1][j]);
+        if (p.dout_bf != nullptr) {  // do as it came, bf16, at the start of each row
+          const uint16_t* r0 = reinterpret_cast<const uint16_t*>(&o.e[c][0]);
+          const uint16_t* r1 = reinterpret_cast<const uint16_t*>(&o.e[c + 1][0]);
+          dob[0][nt2][hh] = (uint32_t)r0[j] | (uint32_t)r1[j] << 16;
+        } else {
+          dob[0][nt2][hh] = pack_bf16(o.e[c][j], o.e[c + 1][j]);
+        }
       }
     float dv[2][4] = {};
     add_row_product<D>(o.a, dSb, dv);  // kr dS

@@ -107,7 +107,11 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.scale = (float)scale;
   p.lower_bound = (float)lower_bound;
   p.gate_id = (int)gate_id;
-  p.dout = f32(dout);
+#ifdef KDA_BWD_FP32_CHAINS
+  if (dout.scalar_type() == torch::kBFloat16) dout = dout.to(torch::kFloat32);  // as the binding: fp32 for these chains
+#endif
+  p.dout = dout.scalar_type() == torch::kFloat32 ? f32(dout) : nullptr;
+  p.dout_bf = dout.scalar_type() == torch::kFloat32 ? nullptr : bf(dout);
   p.dht = dht.has_value() ? f32(*dht) : nullptr;
   p.qd = reinterpret_cast<kda_op_t*>(qd.data_ptr());
   p.kr = reinterpret_cast<kda_op_t*>(kr.data_ptr());

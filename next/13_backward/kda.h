@@ -229,7 +229,8 @@ struct KdaBwdParams {
   const float* h0;       // [N, H, K, V] or nullptr
   float scale, lower_bound;
   int gate_id;           // KDA_GATE_SOFTPLUS or KDA_GATE_BOUNDED
-  const float* dout;     // [B, T, H, V] fp32, the gradient of o
+  const float* dout;     // [B, T, H, V] fp32, the gradient of o, or nullptr where dout_bf is given
+  const __nv_bfloat16* dout_bf;  // the same in bf16 (o's dtype: the op's), or nullptr
   const float* dht;      // [N, H, K, V] fp32, the gradient of the final state, or nullptr
   // ---- workspace, one slot per chunk [N H, NT, ...], fp32 but the states and qd, kr, w ----
   kda_op_t *qd, *kr, *w;  // [.., 16, K]

@@ -100,12 +100,14 @@ def build_emulator(verbose=False, variant=None):
 
 
 def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
-                     lower_bound=None, do, dht=None, cu_seqlens=None, variant=None, grads_bf16=False) -> dict:
+                     lower_bound=None, do, dht=None, cu_seqlens=None, variant=None, grads_bf16=False,
+                     do_bf16=False) -> dict:
     """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
     gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
     el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call. ``cu_seqlens``: packed
     sequences (B = 1), the states then [N, H, K, V]. ``variant``: build_emulator's. ``grads_bf16``: the per-token
-    gradients written in bf16 by the kernels, as the op has them written."""
+    gradients written in bf16 by the kernels, as the op has them written. ``do_bf16``: do given to the kernels in
+    bf16 (rounded), as the op gives them o's gradient."""
     from common.contract import check_gate
 
     gate, gate_id, lb = check_gate(gate, lower_bound)
@@ -113,7 +115,8 @@ def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, sc
     bf, f32 = (lambda t: t.to(torch.bfloat16).contiguous()), (lambda t: t.float().contiguous())
     out = build_emulator(variant=variant).bwd(
         bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias), None if initial_state is None else f32(initial_state),
-        float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), f32(do), None if dht is None else f32(dht),
+        float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), bf(do) if do_bf16 else f32(do),
+        None if dht is None else f32(dht),
         None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous(), grads_bf16)
     dq, dk, dv, dg, dbeta, dal, dh0 = out[:7]
     grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=out[17],
