@@ -56,6 +56,9 @@ class StageSpec:
     backward: bool = True
     varlen: bool = False  # takes cu_seqlens (packed sequences) and state_v_first (the state [N, H, V, K])
     regions: tuple = ()  # profile region names, in kernel order
+    # the backward's region names where its kernels number their regions from 0 in a table of their own (stage 13);
+    # else a backward's regions are the names in `regions` that start with "bwd:"
+    backward_regions: tuple = ()
     region_unit: str = "s"  # "s" (CPU wall time) or "cycles" (clock64)
     # output name ("o", "S", "dq", ... "dinitial_state") -> the relative error a check may reach, set at the
     # level the stage's check cases reach (at most 10x their worst: tests/test_tolerances.py holds it there)

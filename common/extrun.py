@@ -26,7 +26,7 @@ import torch
 
 from .contract import Call, StageSpec, alloc
 
-MAX_REGIONS = 32  # common/include/kda_profile.cuh KDA_MAX_REGIONS
+MAX_REGIONS = 20  # common/include/kda_profile.cuh KDA_MAX_REGIONS
 
 
 def _layout_args(c: Call) -> dict:
@@ -148,5 +148,6 @@ def profile(ext_prof, spec: StageSpec, c: Call, *, backward: bool = False, seed:
             dht = torch.randn(c.B, c.H, c.K, c.V, generator=gen).to(c.device)
             bbuf = _prof_buffer(spec, c)
             _bwd(ext_prof, c, do, dht, bbuf)
-            res.update({k: v for k, v in summarize(bbuf, spec.regions).items() if k.startswith("bwd:")})
+            names = spec.backward_regions or spec.regions
+            res.update({k: v for k, v in summarize(bbuf, names).items() if k.startswith("bwd:")})
     return {k: v for k, v in res.items() if v != 0.0}

@@ -12,6 +12,7 @@ on every gradient but dq, against 2e-7). The GPU build is compiled too.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,6 +284,19 @@ def test_do_in_bf16_is_do_in_fp32_of_the_same_values(stage):
         for n in NAMES + ("states", "dstates", "vcorr", "dvcorr"):
             if a[n] is not None:
                 assert torch.equal(a[n].nan_to_num(7.0), b[n].nan_to_num(7.0)), n
+
+
+def test_the_profile_regions_are_the_kernels_table(stage):
+    """SPEC.backward_regions names kda.h's KdaBwdRegion ids in order, and the table fits the profile buffer."""
+    import re
+
+    from common.extrun import MAX_REGIONS
+
+    text = (Path(stage.__file__).parent / "kda.h").read_text()
+    enum = re.search(r"enum KdaBwdRegion \{(.*?)\};", text, re.S).group(1)
+    ids = [int(x) for x in re.findall(r"KDA_REG_B\w+ = (\d+),", enum)]
+    assert ids == list(range(len(stage.SPEC.backward_regions))) and len(ids) <= MAX_REGIONS
+    assert all(r.startswith("bwd: ") for r in stage.SPEC.backward_regions)
 
 
 def test_the_check_fails_on_wrong_gradients(stage):

@@ -15,7 +15,7 @@
 // `if (threadIdx.x == 0)` when a whole block times a region between barriers).
 #pragma once
 
-#define KDA_MAX_REGIONS 32
+#define KDA_MAX_REGIONS 20
 
 #ifdef KDA_PROFILE
 #define KDA_PROF_START(t) long long t = clock64()

@@ -67,23 +67,27 @@ enum KdaRegion {
   KDA_REG_K2L_ISSUE = 14,    // K2 producer: issue loads (load warp: cp.async; fused: stage_rows + next chunk's loads)
   KDA_REG_FUSED_BARRIER = 15,// fused prepare: the team's barrier before a chunk (its last step done with the scratch)
   KDA_REG_FUSED_DECAY = 16,  // fused prepare: decay_columns (qd, kr^T, exp(glast) into the slot)
-  // the backward (backward.cuh, chains_mma.cuh), each kernel's regions per chunk (slot = the chunk's workspace slot;
-  // a chain's recorded by the block of its first 32 value columns)
-  KDA_REG_B1_LOAD = 17,      // B1: the chunk's inputs, the gate, the norms, the cumulative decay
-  KDA_REG_B1_PAIRS = 18,     // B1: the pair sums kk, qk
-  KDA_REG_B1_INVERSE = 19,   // B1: X = (I + L)^-1
-  KDA_REG_B1_STORE = 20,     // B1: the chain operands out (qd, kr, w, u, Aqk, el)
-  KDA_REG_B2_WAIT = 21,      // B2: wait for the chunk's operands (cp.async) and the block's barrier
-  KDA_REG_B2_STEP = 22,      // B2: S stored, w S, vcorr, S decayed + kr^T vcorr
-  KDA_REG_B3_WAIT = 23,      // B3: as B2's
-  KDA_REG_B3_STEP = 24,      // B3: dS stored, dvcorr, dS decayed + qd^T do - w^T dvcorr
-  KDA_REG_B4_LOAD = 25,      // B4: as B1's, and do, vcorr, dvcorr
-  KDA_REG_B4_PAIRS = 26,     // B4: as B1's
-  KDA_REG_B4_INVERSE = 27,   // B4: as B1's
-  KDA_REG_B4_STATES = 28,    // B4: the products with S and dS (dqd, dw, dkr, dglast)
-  KDA_REG_B4_SMALL = 29,     // B4: the 16 x 16 adjoints (dAqk, dAf over the key / value dimension; dbeta, T1, dL)
-  KDA_REG_B4_KEYS = 30,      // B4: the per-key-dimension terms (pair terms, decays, the gate)
-  KDA_REG_B4_OUT = 31,       // B4: dv, the l2norm's adjoint, the gradients out
+};
+
+// The backward's profile regions (backward.cuh, chains_mma.cuh; indices of SPEC.backward_regions in stage.py), a
+// table of their own in the backward's call: each kernel's regions per chunk (slot = the chunk's workspace slot; a
+// chain's recorded by the block of its first 32 value columns).
+enum KdaBwdRegion {
+  KDA_REG_B1_LOAD = 0,       // B1: the chunk's inputs, the gate, the norms, the cumulative decay
+  KDA_REG_B1_PAIRS = 1,      // B1: the pair sums kk, qk
+  KDA_REG_B1_INVERSE = 2,    // B1: X = (I + L)^-1
+  KDA_REG_B1_STORE = 3,      // B1: the chain operands out (qd, kr, w, u, Aqk, el)
+  KDA_REG_B2_WAIT = 4,       // B2: wait for the chunk's operands (cp.async) and the block's barrier
+  KDA_REG_B2_STEP = 5,       // B2: S stored, w S, vcorr, S decayed + kr^T vcorr
+  KDA_REG_B3_WAIT = 6,       // B3: as B2's
+  KDA_REG_B3_STEP = 7,       // B3: dS stored, dvcorr, dS decayed + qd^T do - w^T dvcorr
+  KDA_REG_B4_LOAD = 8,       // B4: as B1's, and do, vcorr, dvcorr
+  KDA_REG_B4_PAIRS = 9,      // B4: as B1's
+  KDA_REG_B4_INVERSE = 10,   // B4: as B1's
+  KDA_REG_B4_STATES = 11,    // B4: the products with S and dS (dqd, dw, dkr, dglast)
+  KDA_REG_B4_SMALL = 12,     // B4: the 16 x 16 adjoints (dAqk, dAf over the key / value dimension; dbeta, T1, dL)
+  KDA_REG_B4_KEYS = 13,      // B4: the per-key-dimension terms (pair terms, decays, the gate)
+  KDA_REG_B4_OUT = 14,       // B4: dv, the l2norm's adjoint, the gradients out
 };
 
 // The gate of KdaFwdParams::gate_id (the binding's gate_id).

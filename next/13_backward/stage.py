@@ -57,7 +57,9 @@ SPEC = StageSpec(
         "K2: S decay", "K2: kr^T@vcorr", "K2: S to bf16",
         "K2 producer: wait (free slot, barrier)", "K2 producer: issue loads (+ stage rows, fused)",
         "fused prepare: team barrier", "fused prepare: decay columns",
-        # ids 17-31: the backward's, per chunk (a chain's: one step of it)
+    ),
+    # the backward's, per chunk (a chain's: one step of it), ids 0-14 of its own table (kda.h KdaBwdRegion)
+    backward_regions=(
         "bwd: B1 load", "bwd: B1 pair sums", "bwd: B1 inverse", "bwd: B1 operands out",
         "bwd: B2 wait for operands", "bwd: B2 step", "bwd: B3 wait for operands", "bwd: B3 step",
         "bwd: B4 load", "bwd: B4 pair sums", "bwd: B4 inverse", "bwd: B4 state products",
