@@ -1990,7 +1990,7 @@ def backward_model_check(B: int = 2, T: int = 37, H: int = 2, K: int = 16, seed:
     return pd.DataFrame(rows).pivot(index="gradient", columns="gate", values="rel_err")
 
 
-def backward_profile(record: str = "stage13/bwd_profile_560f07e", device_dir: str = "h100",
+def backward_profile(record: str = "stage13/bwd_profile_716f40b", device_dir: str = "h100",
                      gate: str = "softplus") -> pd.DataFrame:
     """Where stage 13's backward spends its time, from a record of scripts/profile_backward.py: clock64 cycles
     per chunk in each region of its kernels (B1 and B4 a block per chunk, a chain one step of one block), each
@@ -2005,3 +2005,16 @@ def backward_profile(record: str = "stage13/bwd_profile_560f07e", device_dir: st
     df["share of its kernel"] = df["cycles"] / df.groupby(["build", "kernel"])["cycles"].transform("sum")
     return df.pivot_table(index=["kernel", "region"], columns="build", values=["cycles", "share of its kernel"],
                           sort=False).round(2)
+
+
+def backward_bytes(B: int = 1, T: int = 8192, H: int = 32, K: int = 128) -> pd.DataFrame:
+    """What stage 13's backward keeps between its kernels, and the gradients it writes, in MB at a shape (Kimi
+    Linear's by default): its stage.backward_bytes, which a test holds to the tensors the kernels are given.
+    Nothing of the forward is kept but its inputs: the backward recomputes the rest."""
+    from .stages import load_next
+
+    got = load_next("13_backward").backward_bytes(B, T, H, K)
+    rows = [dict(kept="between the kernels", tensor=n, MB=b / 1e6) for n, b in got["workspace"].items()]
+    rows += [dict(kept="written (the gradients)", tensor=n, MB=b / 1e6) for n, b in got["gradients"].items()]
+    rows.append(dict(kept="all", tensor="total", MB=got["total"] / 1e6))
+    return pd.DataFrame(rows).set_index(["kept", "tensor"]).round(1)
