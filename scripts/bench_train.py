@@ -127,11 +127,8 @@ def main(argv=None):
                     from common.stages import load_next
                     from kdalab import op
 
-                    stage = load_next(op.BACKWARD)
-                    defines = stage.BACKWARD_VARIANTS.get(variants.get(name), ())
-                    row["bwd_bytes_declared_mb"] = stage.backward_bytes(
-                        B, T, H, K, states_bytes=4 if "KDA_BWD_STATES_FP32" in defines else 2,
-                        ops_bytes=4 if {"KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_OPERANDS"} & set(defines) else 2)["total"] / 1e6
+                    row["bwd_bytes_declared_mb"] = load_next(op.BACKWARD).backward_bytes(
+                        B, T, H, K, variant=variants.get(name))["total"] / 1e6
                 if name != "kdalab" and "kdalab" in got and name in got:  # FLA's, or a variant's
                     row["grad_rel_err_vs_kdalab"] = {n: rel_err(a, b) for n, a, b in zip(NAMES, got[name],
                                                                                          got["kdalab"])}

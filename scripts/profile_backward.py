@@ -3,7 +3,7 @@ profile build: B1 and B4 one block per chunk, the chains one step each, timed by
 value columns), at Kimi Linear's B1 T8192 H32 K128 on both gates, for the stage and for each named variant build.
 (GPU.)
 
-    python scripts/profile_backward.py --out $OUT/bwd_profile.json [--variant mma_adjoint ...]
+    python scripts/profile_backward.py --out $OUT/bwd_profile.json [--variant fp32_adjoint ...]
 """
 
 from __future__ import annotations

@@ -275,8 +275,8 @@ def test_the_chain_operands_are_stored_in_bf16_as_the_mmas_round_them(stage):
 def test_do_in_bf16_is_do_in_fp32_of_the_same_values(stage):
     """The op gives the kernels o's gradient as it comes, bf16 (B3 and B4 read it so): the same bits as an fp32 do
     holding the same values, on a case with a tail and on packed sequences."""
-    kw, do, dht, cu = _packed_case("bounded", -3.0, seed=5)
-    for kw, do, dht, gate, lb, cu in (_case(*CASES[0]) + CASES[0][4:6] + (None,), (kw, do, dht, "bounded", -3.0, cu)):
+    for (kw, do, dht, cu), gate, lb in ((_case(*CASES[0]) + (None,), *CASES[0][4:6]),
+                                        (_packed_case("bounded", -3.0, seed=5), "bounded", -3.0)):
         args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, dht=dht, cu_seqlens=cu)
         do = do.to(torch.bfloat16).float()
         a = stage.emulate_backward(**args, do=do)
@@ -377,13 +377,16 @@ def test_the_op_trains_on_these_kernels(stage, monkeypatch):
         assert torch.equal(t.grad, want[n].to(t.dtype)), f"d{n}: {rel_err(t.grad, want[n]):.2e}"
 
 
-def test_the_declared_bytes_are_the_workspace(stage):
+@pytest.mark.parametrize("variant", [None, "exact"])
+def test_the_declared_bytes_are_the_workspace(stage, variant):
     """stage.backward_bytes (the chapter's table of what is kept, and bench_train's prediction of the peak) against
-    the tensors the kernels are given (the emulator allocates them as the binding does), at a case with a tail."""
+    the tensors the kernels are given (the emulator allocates them as the binding does), at a case with a tail, for
+    the stage and for a build whose states and chain operands are fp32."""
     B, T, H, K, gate, lb, h0, seed = CASES[0]
     kw, do, dht = _case(*CASES[0])
-    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht)
-    want = stage.backward_bytes(B, T, H, K)["workspace"]
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht,
+                                 variant=variant)
+    want = stage.backward_bytes(B, T, H, K, variant=variant)["workspace"]
     nbytes = {n: got[n].numel() * got[n].element_size() for n in ("qd", "kr", "w", "u", "Aqk", "el", "states",
                                                                     "dstates", "vcorr", "dvcorr")}
     assert want["qd, kr, w"] == nbytes["qd"] + nbytes["kr"] + nbytes["w"]

@@ -77,7 +77,7 @@ __device__ __forceinline__ kda_state_t to_state(float x) {
 }
 // A chain operand as B1 stores it (kda_op_t).
 __device__ __forceinline__ kda_op_t to_op(float x) {
-#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+#ifdef KDA_BWD_OPS_FP32
   return x;
 #else
   return __float2bfloat16_rn(x);
@@ -110,6 +110,11 @@ __device__ __forceinline__ float gate_of(const KdaBwdParams& p, float A, float x
   return p.lower_bound / (1.f + expf(-A * x));
 }
 
+// Workspace offsets of chunk n of pair bh.
+__device__ __forceinline__ size_t chunk_slot(const KdaBwdParams& p, int bh, int n) {
+  return (size_t)bh * p.NT + n;
+}
+
 // Load and rebuild chunk n of pair bh (sequence bh / H, head bh % H) into s, with NTHR threads; its three parts
 // are timed into the profile's regions reg0, reg0 + 1, reg0 + 2 (load, pair sums, inverse).
 // Tokens past the sequence's end are zero (k = q = v = 0, beta = 0, a = 0).
@@ -119,7 +124,7 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
   const int h = bh % p.H;
   const Span sq = span_of(p, bh / p.H);
   const int t0 = n * BT, len = min(BT, sq.len - t0);
-  const size_t slot = (size_t)bh * p.NT + n;
+  const size_t slot = chunk_slot(p, bh, n);
   (void)slot;
   (void)reg0;
   KDA_PROF_START(tp);
@@ -252,11 +257,6 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
   }
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, reg0 + 2, tp);
-}
-
-// Workspace offsets of chunk n of pair bh.
-__device__ __forceinline__ size_t chunk_slot(const KdaBwdParams& p, int bh, int n) {
-  return (size_t)bh * p.NT + n;
 }
 
 // ---------------------------------------------------------------------------
@@ -882,13 +882,15 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   }
   __syncthreads();
   if (grp == 0) {
+    if (kSplitRow < BT) {  // the second group's sums: the same thread reads each and, below, writes its place
 #pragma unroll
-    for (int c = 0; c < BT && kSplitRow < BT; ++c) {  // the same thread reads each sum and, below, writes its place
-      dq[c] += s.ph.g.dq[c][e];
-      dk[c] += s.ph.g.dk[c][e];
-      dgc[c] += s.ph.g.dal[c][e];
+      for (int c = 0; c < BT; ++c) {
+        dq[c] += s.ph.g.dq[c][e];
+        dk[c] += s.ph.g.dk[c][e];
+        dgc[c] += s.ph.g.dal[c][e];
+      }
+      dglast += s.dgl_part[e];
     }
-    if (kSplitRow < BT) dglast += s.dgl_part[e];
     // gc = cumsum(a), glast = gc[last]: da[c] = sum_{c' >= c} dgc[c'] + dglast; then the gate
     const float A = expf(p.A_log[h]);
     float acc = dglast, dsum = 0.f;  // dsum: the chunk's share of ddt_bias[h][e]

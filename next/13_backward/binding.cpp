@@ -541,7 +541,7 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto opts = q.options().dtype(f32);
   const int64_t slots = N * H * NT;
-#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+#ifdef KDA_BWD_OPS_FP32
   const auto op_opts = opts;
 #else
   const auto op_opts = q.options().dtype(torch::kBFloat16);

@@ -74,7 +74,7 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   torch::Tensor dbeta = grad({B, T, H}), dal = nan({B, T, H});
   torch::Tensor ddt = torch::zeros({N * H * NT, D}, o);  // as the binding: zero where no chunk runs
   torch::Tensor dh0 = h0.has_value() ? nan({N, H, D, D}) : torch::Tensor();
-#if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+#ifdef KDA_BWD_OPS_FP32
   torch::Tensor qd = nan({S, 16, D}), kr = nan({S, 16, D}), w = nan({S, 16, D});
 #else
   const auto b16 = o.dtype(torch::kBFloat16);

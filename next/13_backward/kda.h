@@ -217,6 +217,7 @@ using kda_state_t = __nv_bfloat16;
 // (KDA_BWD_FP32_CHAINS: the variant fp32_chains and the exact build), and for the variant fp32_operands
 // (KDA_BWD_FP32_OPERANDS: the tensor-core chains reading fp32 operands, rounding them as they read them).
 #if defined(KDA_BWD_FP32_CHAINS) || defined(KDA_BWD_FP32_OPERANDS)
+#define KDA_BWD_OPS_FP32 1  // the one place that decides: the kernels, the binding and the emulator read this
 using kda_op_t = float;
 #else
 using kda_op_t = __nv_bfloat16;

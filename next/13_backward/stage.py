@@ -150,12 +150,15 @@ class EmulatedExtension:
             dh0.copy_(k_first(out[6]))
 
 
-def backward_bytes(B, T, H, K, *, states_bytes=2, ops_bytes=2, grads_bytes=2) -> dict:
+def backward_bytes(B, T, H, K, *, variant=None, grads_bytes=2) -> dict:
     """What the backward allocates at a shape (N = B sequences of T tokens, K = V), by tensor, in bytes: the
     workspace that lives between its kernels (binding.cpp bwd_impl), per chunk of 16 tokens and head, and the
-    gradients it writes (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). The states are
-    bf16 (``states_bytes`` 4: the fp32_states build), and so are the chains' operands qd, kr, w (``ops_bytes`` 4:
-    the fp32_chains build). Nothing of the forward is kept but its inputs."""
+    gradients it writes (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). The states and the
+    chains' operands qd, kr, w are bf16, fp32 in the ``variant`` builds whose defines say so (kda.h kda_state_t,
+    kda_op_t). Nothing of the forward is kept but its inputs."""
+    defines = set(_variant_defines(variant))
+    states_bytes = 4 if "KDA_BWD_STATES_FP32" in defines else 2
+    ops_bytes = 4 if defines & {"KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_OPERANDS"} else 2
     slots = B * H * (-(-T // 16))
     f32 = 4
     work = {
