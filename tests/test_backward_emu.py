@@ -163,7 +163,8 @@ def test_each_kernel_is_the_model(stage):
     common/backward_model.py in fp64 (a tail chunk compared on its real tokens)."""
     B, T, H, K, gate, lb, h0, seed = CASES[0]
     kw, do, dht = _case(*CASES[0])
-    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht, variant="exact")
+    got = stage.emulate_backward(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht, variant="exact",
+                                 keep_u=True)
     x = {n: kw[n].double() for n in NAMES}
     qn, kn, b, a = activate(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], gate=gate, lower_bound=lb)
     NT = math.ceil(T / 16)
@@ -205,11 +206,11 @@ SHIPPED_TOL = 3.5e-3
 MMA_CHAINS_TOL = 1e-5
 
 
-def _shipped_case(stage, case, variant=None):
+def _shipped_case(stage, case, variant=None, keep_u=False):
     B, T, H, K, gate, lb, h0, seed = case
     kw, do, dht = _case(*case)
     args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht)
-    return kw, do, dht, stage.emulate_backward(**args, variant=variant)
+    return kw, do, dht, stage.emulate_backward(**args, variant=variant, keep_u=keep_u)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-{c[4]}-h0{int(c[6])}")
@@ -218,7 +219,7 @@ def test_the_mma_chains_are_their_model(stage, case):
     common.backward_model.mma_chains, which rounds to bf16 exactly what the MMAs take, from the kernels' own B1
     operands: entry states, exit gradients, vcorr, dvcorr and dh0 at fp32 round-off."""
     B, T, H, K, gate, lb, h0, seed = case
-    kw, do, dht, got = _shipped_case(stage, case, "fp32_states")
+    kw, do, dht, got = _shipped_case(stage, case, "fp32_states", keep_u=True)
     want = bm.mma_chains(got, do, H=H, h0=kw["initial_state"], dht=dht)
     want["initial_state"] = want.pop("dh0")
     for name in ("states", "dstates", "vcorr", "dvcorr", "initial_state"):
@@ -284,6 +285,25 @@ def test_do_in_bf16_is_do_in_fp32_of_the_same_values(stage):
         for n in NAMES + ("states", "dstates", "vcorr", "dvcorr"):
             if a[n] is not None:
                 assert torch.equal(a[n].nan_to_num(7.0), b[n].nan_to_num(7.0)), n
+
+
+def test_vcorr_over_u_changes_nothing(stage):
+    """B2 writes each chunk's vcorr over the u it has read (one buffer for the two, as the binding allocates them):
+    every gradient, state and vcorr the same bits as with u kept in a buffer of its own, on a case with a tail and h0
+    and on packed sequences, for the shipped build and the fp32 chains'. A chain that read a chunk's u after
+    writing its vcorr, or a later reader of u, would differ here."""
+    for (kw, do, dht, cu), gate, lb in ((_case(*CASES[0]) + (None,), *CASES[0][4:6]),
+                                        (_packed_case("bounded", -3.0, seed=5), "bounded", -3.0)):
+        args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht, cu_seqlens=cu)
+        for variant in (None, "fp32_chains"):
+            shared = stage.emulate_backward(**args, variant=variant)
+            apart = stage.emulate_backward(**args, variant=variant, keep_u=True)
+            assert shared["u"].data_ptr() == shared["vcorr"].data_ptr()
+            assert apart["u"].data_ptr() != apart["vcorr"].data_ptr()
+            assert not torch.equal(apart["u"].nan_to_num(7.0), apart["vcorr"].nan_to_num(7.0))
+            for n in NAMES + ("states", "dstates", "vcorr", "dvcorr"):
+                if shared[n] is not None:
+                    assert torch.equal(shared[n].nan_to_num(7.0), apart[n].nan_to_num(7.0)), (variant, n)
 
 
 def test_the_profile_regions_are_the_kernels_table(stage):
@@ -390,7 +410,8 @@ def test_the_declared_bytes_are_the_workspace(stage, variant):
     nbytes = {n: got[n].numel() * got[n].element_size() for n in ("qd", "kr", "w", "u", "Aqk", "el", "states",
                                                                     "dstates", "vcorr", "dvcorr")}
     assert want["qd, kr, w"] == nbytes["qd"] + nbytes["kr"] + nbytes["w"]
-    assert want["u (fp32)"] == nbytes["u"]
+    assert got["u"].data_ptr() == got["vcorr"].data_ptr(), "vcorr is written over u: one buffer"
+    assert want["u, then vcorr over it (fp32)"] == nbytes["vcorr"]
     assert want["Aqk, exp(glast) (fp32)"] == nbytes["Aqk"] + nbytes["el"]
     assert want["entry states, exit gradients"] == nbytes["states"] + nbytes["dstates"]
-    assert want["vcorr, dvcorr (fp32)"] == nbytes["vcorr"] + nbytes["dvcorr"]
+    assert want["dvcorr (fp32)"] == nbytes["dvcorr"]

@@ -440,14 +440,15 @@ void kda_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 // [N, H, V, K] with state_v_first (turned around here, on the way in and out). Recomputes what it
 // needs from the inputs (no forward tensors are kept); every gradient is fp32 in its input's shape,
 // written completely; dA_log and ddt_bias are sums over batch and time taken here by torch
-// (deterministic: no atomics). Returns the kernels' workspace (bwd_workspace).
+// (deterministic: no atomics). Returns the kernels' workspace (bwd_workspace); u is then vcorr's buffer, overwritten
+// by B2, but with keep_u.
 std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                     torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias, OptTensor h0,
                                     double scale, int64_t gate_id, double lower_bound, int64_t chunk_size,
                                     torch::Tensor dout, OptTensor dht, torch::Tensor dq, torch::Tensor dk,
                                     torch::Tensor dv, torch::Tensor dg, torch::Tensor dbeta, torch::Tensor dA_log,
                                     torch::Tensor ddt_bias, OptTensor dh0, OptTensor cu_seqlens, int64_t max_seqlen,
-                                    bool state_v_first, OptTensor prof = c10::nullopt) {
+                                    bool state_v_first, OptTensor prof = c10::nullopt, bool keep_u = false) {
   TORCH_CHECK(q.defined() && q.dim() == 4, "q must be [B, T, H, K]");
   TORCH_CHECK(v.defined() && v.dim() == 4, "v must be [B, T, H, V]");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3), V = v.size(3);
@@ -555,7 +556,10 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   const auto state_opts = q.options().dtype(torch::kBFloat16);
 #endif
   torch::Tensor states = torch::empty({slots, K, V}, state_opts), dstates = torch::empty({slots, K, V}, state_opts);
-  torch::Tensor vcorr = torch::empty({slots, kChunk, V}, opts), dvcorr = torch::empty({slots, kChunk, V}, opts);
+  // B2 writes each chunk's vcorr = u - w S over its u (the tile it has read; nothing reads u after): one buffer for
+  // the two, but where the checks of each kernel ask for u (keep_u, bwd_workspace)
+  torch::Tensor vcorr = keep_u ? torch::empty({slots, kChunk, V}, opts) : u;
+  torch::Tensor dvcorr = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor dAlog_part = torch::empty({B, T, H}, opts);
   torch::Tensor ddt_part = torch::zeros({slots, K}, opts);  // chunks that do not run stay 0
   torch::Tensor h0_k, dht_k, dh0_k;  // the states K-first
@@ -634,7 +638,7 @@ void kda_bwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
 }
 
 // The backward's workspace after a call, for the checks of each kernel against
-// common/backward_model.py: qd, kr, w [N H NT, 16, K], u [.., 16, V], Aqk [.., 16, 16], el [.., K],
+// common/backward_model.py: qd, kr, w [N H NT, 16, K], u [.., 16, V] (kept apart from vcorr), Aqk [.., 16, 16], el [.., K],
 // states, dstates [.., K, V], vcorr, dvcorr [.., 16, V], dAlog_part [B, T, H] (plain sequences).
 std::vector<torch::Tensor> kda_bwd_workspace(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                              torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias,
@@ -647,7 +651,7 @@ std::vector<torch::Tensor> kda_bwd_workspace(torch::Tensor q, torch::Tensor k, t
   OptTensor dh0;
   if (present(h0)) dh0 = torch::empty(h0->sizes(), f);
   return bwd_impl(q, k, v, g, beta, A_log, dt_bias, h0, scale, gate_id, lower_bound, kChunk, dout, dht, dq, dk, dv,
-                  dg, dbeta, dA_log, ddt_bias, dh0, c10::nullopt, 0, false);
+                  dg, dbeta, dA_log, ddt_bias, dh0, c10::nullopt, 0, false, c10::nullopt, /*keep_u=*/true);
 }
 
 // out = A @ bf16(X) through the accumulator -> B-fragment transpose (kda.h).

@@ -3,10 +3,10 @@
 // (tests/test_backward_emu.py). The same source as the GPU build, launched in the same order with the
 // same grids, threads and shared memory as kda.cu's bwd::launch_all.
 //
-// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?, cu_seqlens?, grads_bf16) ->
-// [dq, dk, dv, dg, dbeta (fp32, or bf16 with grads_bf16), dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk, el, states,
-// dstates, vcorr, dvcorr, ddt_bias], CPU tensors, inputs as the GPU binding takes them (bf16 q, k, v, g, beta; fp32
-// the rest).
+// emu_bwd(q, k, v, g, beta, A_log, dt_bias, h0?, scale, gate_id, lower_bound, do, dht?, cu_seqlens?, grads_bf16,
+// keep_u) -> [dq, dk, dv, dg, dbeta (fp32, or bf16 with grads_bf16), dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk,
+// el, states, dstates, vcorr, dvcorr, ddt_bias], CPU tensors, inputs as the GPU binding takes them (bf16 q, k, v,
+// g, beta; fp32 the rest). u is vcorr's buffer, as the binding has it (B2 writes vcorr over u), but with keep_u.
 #include "kda_emu.h"
 
 #include <torch/extension.h>
@@ -52,7 +52,7 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
                                    torch::Tensor beta, torch::Tensor A_log, torch::Tensor dt_bias,
                                    c10::optional<torch::Tensor> h0, double scale, int64_t gate_id, double lower_bound,
                                    torch::Tensor dout, c10::optional<torch::Tensor> dht,
-                                   c10::optional<torch::Tensor> cu_seqlens, bool grads_bf16) {
+                                   c10::optional<torch::Tensor> cu_seqlens, bool grads_bf16, bool keep_u) {
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
   int64_t N = B, max_len = T;
   if (cu_seqlens.has_value()) {
@@ -87,7 +87,7 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
 #else
   torch::Tensor st = torch::full({S, D, D}, NAN, o.dtype(torch::kBFloat16)), dst = torch::full({S, D, D}, NAN, o.dtype(torch::kBFloat16));
 #endif
-  torch::Tensor vc = nan({S, 16, D}), dvc = nan({S, 16, D});
+  torch::Tensor vc = keep_u ? nan({S, 16, D}) : u, dvc = nan({S, 16, D});  // as the binding: vcorr over u
   KdaBwdParams p{};
   p.B = (int)B;
   p.T = (int)T;

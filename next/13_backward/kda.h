@@ -239,7 +239,7 @@ struct KdaBwdParams {
   const float* dht;      // [N, H, K, V] fp32, the gradient of the final state, or nullptr
   // ---- workspace, one slot per chunk [N H, NT, ...], fp32 but the states and qd, kr, w ----
   kda_op_t *qd, *kr, *w;  // [.., 16, K]
-  float* u;              // [.., 16, V]
+  float* u;              // [.., 16, V]: B2 writes each chunk's vcorr over it where vcorr == u (the binding's)
   float* Aqk;            // [.., 16, 16]
   float* el;             // [.., K]  exp(glast)
   kda_state_t *states, *dstates;  // [.., K, V]: each chunk's entry state, and the gradient of its exit state

@@ -103,13 +103,15 @@ def build_emulator(verbose=False, variant=None):
 
 def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, scale=None, gate="softplus",
                      lower_bound=None, do, dht=None, cu_seqlens=None, variant=None, grads_bf16=False,
-                     do_bf16=False) -> dict:
+                     do_bf16=False, keep_u=False) -> dict:
     """The backward of backward.cuh run on the CPU (build_emulator), on the stage's bf16 inputs: the eight
     gradients by the name of their input (None for an absent h0) and the kernels' workspace (qd, kr, w, u, Aqk,
     el, states, dstates, vcorr, dvcorr), every output poisoned (NaN) before the call. ``cu_seqlens``: packed
     sequences (B = 1), the states then [N, H, K, V]. ``variant``: build_emulator's. ``grads_bf16``: the per-token
     gradients written in bf16 by the kernels, as the op has them written. ``do_bf16``: do given to the kernels in
-    bf16 (rounded), as the op gives them o's gradient."""
+    bf16 (rounded), as the op gives them o's gradient. ``u`` is ``vcorr``'s buffer, as the binding has it (B2
+    writes each chunk's vcorr over its u), but with ``keep_u``, which gives u a buffer of its own (the checks of
+    each kernel, as binding.cpp's bwd_workspace)."""
     from common.contract import check_gate
 
     gate, gate_id, lb = check_gate(gate, lower_bound)
@@ -119,7 +121,7 @@ def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, sc
         bf(q), bf(k), bf(v), bf(g), bf(beta), f32(A_log), f32(dt_bias), None if initial_state is None else f32(initial_state),
         float(K ** -0.5 if scale is None else scale), gate_id, float(lb or 0.0), bf(do) if do_bf16 else f32(do),
         None if dht is None else f32(dht),
-        None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous(), grads_bf16)
+        None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous(), grads_bf16, keep_u)
     dq, dk, dv, dg, dbeta, dal, dh0 = out[:7]
     grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=out[17],
                  initial_state=dh0 if initial_state is not None else None)
@@ -139,7 +141,8 @@ class EmulatedExtension:
         k_first = (lambda t: t.transpose(-1, -2).contiguous()) if state_v_first else (lambda t: t)
         out = build_emulator().bwd(q, k, v, g, beta, A_log, dt_bias, None if h0 is None else k_first(h0),
                                    float(scale), int(gate_id), float(lower_bound), dout,
-                                   None if dht is None else k_first(dht), cu_seqlens, dq.dtype == torch.bfloat16)
+                                   None if dht is None else k_first(dht), cu_seqlens, dq.dtype == torch.bfloat16,
+                                   False)
         for buf, got in zip((dq, dk, dv, dg, dbeta), out[:5]):
             if got.dtype != buf.dtype:
                 raise TypeError(f"the emulator wrote {got.dtype} where the binding writes {buf.dtype}")
@@ -155,7 +158,8 @@ def backward_bytes(B, T, H, K, *, variant=None, grads_bytes=2) -> dict:
     workspace that lives between its kernels (binding.cpp bwd_impl), per chunk of 16 tokens and head, and the
     gradients it writes (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). The states and the
     chains' operands qd, kr, w are bf16, fp32 in the ``variant`` builds whose defines say so (kda.h kda_state_t,
-    kda_op_t). Nothing of the forward is kept but its inputs."""
+    kda_op_t). B2 writes each chunk's vcorr over its u, one buffer for the two. Nothing of the forward is kept but
+    its inputs."""
     defines = set(_variant_defines(variant))
     states_bytes = 4 if "KDA_BWD_STATES_FP32" in defines else 2
     ops_bytes = 4 if defines & {"KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_OPERANDS"} else 2
@@ -163,10 +167,10 @@ def backward_bytes(B, T, H, K, *, variant=None, grads_bytes=2) -> dict:
     f32 = 4
     work = {
         "qd, kr, w": 3 * slots * 16 * K * ops_bytes,
-        "u (fp32)": slots * 16 * K * f32,
+        "u, then vcorr over it (fp32)": slots * 16 * K * f32,
         "Aqk, exp(glast) (fp32)": slots * (16 * 16 + K) * f32,
         "entry states, exit gradients": 2 * slots * K * K * states_bytes,
-        "vcorr, dvcorr (fp32)": 2 * slots * 16 * K * f32,
+        "dvcorr (fp32)": slots * 16 * K * f32,
         "dA_log's and ddt_bias's parts (fp32)": B * T * H * f32 + slots * K * f32,
     }
     grads = {"dq, dk, dv, dg": 4 * B * T * H * K * grads_bytes, "dbeta": B * T * H * grads_bytes}
