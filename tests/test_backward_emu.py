@@ -77,8 +77,7 @@ def test_chunks_too_wide_to_factor_go_pair_by_pair(stage):
     most kFactoredRange = 80, and pair by pair where one decays by more: a case with both kinds of chunk (the softplus
     gate, head 1's A = exp(A_log) 20 times the drawn one) is autograd at fp32 round-off on the exact build."""
     B, T, H, K, gate, lb = 1, 48, 2, 64, "softplus", None
-    kw, do, dht = _case(B, T, H, K, gate, lb, True, 7)
-    kw["A_log"] = kw["A_log"] + torch.tensor([0.0, math.log(20)])
+    kw, do, dht = _wide_case()
     x = {n: kw[n].double() for n in NAMES}
     _, _, _, a = activate(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], gate=gate, lower_bound=lb)
     glast = a.reshape(B, T // 16, 16, H, K).sum(2)  # each chunk's decay, per key dimension
@@ -90,6 +89,39 @@ def test_chunks_too_wide_to_factor_go_pair_by_pair(stage):
     for n in NAMES:
         assert torch.isfinite(got[n]).all(), f"d{n} has a NaN"
         assert rel_err(got[n], ref[n]) <= TOL, f"d{n}: {rel_err(got[n], ref[n]):.2e}"
+
+
+# B4's per-key-dimension terms on tensor cores (backward.cuh key_terms_mma: each product three bf16 MMAs of its
+# operands' high and low halves) against the same terms on the CUDA cores in fp32 (the build fp32_key_terms), every
+# other product the same: 2e-7 to 8.3e-6 measured (dA_log the largest). With Q^T read as Q (a planted slip) dk is
+# 52 to 6e15 off (the upper triangle's decays are not below 1).
+KEY_TERMS_TOL = 2e-5
+
+
+def _wide_case():
+    """B1 T48 H2 K64, softplus, h0: head 1's A = exp(A_log) 20 times the drawn one, so that some of its chunks decay
+    by more than kFactoredRange = 80 in a key dimension and the others do not."""
+    kw, do, dht = _case(1, 48, 2, 64, "softplus", None, True, 7)
+    kw["A_log"] = kw["A_log"] + torch.tensor([0.0, math.log(20)])
+    return kw, do, dht
+
+
+@pytest.mark.parametrize("which", ["B2-T37-K64", "B1-T20-K128-bounded", "both-kinds-of-chunk"])
+def test_the_key_terms_on_tensor_cores_are_the_fp32_ones(stage, which):
+    """Where a chunk's decays factor, B4 takes its pair terms and dkd as [16, 16] x [16, D] tensor-core products
+    (split into bf16 halves); elsewhere on the CUDA cores. Every gradient against the build that takes them all on
+    the CUDA cores in fp32, on cases with a tail, h0, both head sizes, and chunks of both kinds."""
+    if which == "both-kinds-of-chunk":
+        (kw, do, dht), gate, lb = _wide_case(), "softplus", None
+    else:
+        case = CASES[0] if which.startswith("B2") else CASES[1]
+        (kw, do, dht), gate, lb = _case(*case), case[4], case[5]
+    args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht)
+    got = stage.emulate_backward(**args)
+    want = stage.emulate_backward(**args, variant="fp32_key_terms")
+    for n in NAMES:
+        assert torch.isfinite(got[n]).all(), f"d{n} has a NaN: an element never written"
+        assert rel_err(got[n], want[n]) <= KEY_TERMS_TOL, f"d{n}: {rel_err(got[n], want[n]):.2e}"
 
 
 def _packed_case(gate, lb, seed):

@@ -759,6 +759,108 @@ __device__ __forceinline__ void key_terms(const KdaBwdParams& p, const AdjSmem<D
   }
 }
 
+// The same terms on tensor cores, the stage's where a chunk's decays factor (no key dimension decays by more than
+// kFactoredRange in it; the build fp32_key_terms, and chunks that decay more, take key_terms above). With
+// P = beta_c dL (c > i) and Q = scale dAqk (i <= c), the pair sums over i of key dimension e are [16, 16] x [16, D]
+// products once each decay e^{gc_c - gc_i} = e^{gc_c - m} e^{m - gc_i} is split about the chunk's middle
+// m = glast / 2 (each factor within e^{+-kFactoredRange / 2}, so no sum comes near fp32's range):
+//   M1 = P kb,  M2 = Q kb,  M3 = P^T kf + Q^T qf,  dkd = Af^T dw,    kb = k e^{m - gc}, kf = k e^{gc - m}, qf = q e^{gc - m}
+//   dq  = e^{gc - m} M2 + scale e^gc dqd
+//   dk  = e^{gc - m} M1 + e^{m - gc} M3 + e^gc dkd + e^{glast - gc} dkr
+//   dgc = k e^{gc - m} M1 + q e^{gc - m} M2 - k e^{m - gc} M3 + k e^gc dkd + scale q e^gc dqd - kr dkr
+//   dglast += sum over the rows of kr dkr
+// Each product is three bf16 MMAs of its operands' high and low halves (hi hi + hi lo + lo hi: fp32's products to
+// about 2^-16), fp32 accumulation. Warp w takes the D / 8 columns of state_products_mma; the results go to
+// s.ph.g (dq, dk, and dgc in dal's place) and dglast's share into s.dgl.
+#if !defined(KDA_BWD_FP32_KEY_TERMS) && !defined(KDA_BWD_PAIRWISE_SUMS)
+#define KDA_BWD_KEY_TERMS_MMA 1
+// x0, x1 (adjacent in k) as the bf16 pair hi and the pair lo of what hi leaves: x = hi + lo to about 2^-16
+__device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16(x0, x1);
+  const uint32_t b0 = hi << 16, b1 = hi & 0xffff0000u;
+  float h0, h1;
+  memcpy(&h0, &b0, sizeof h0);
+  memcpy(&h1, &b1, sizeof h1);
+  lo = pack_bf16(x0 - h0, x1 - h1);
+}
+// The A fragment (a_frag's layout) of the 16 x 16 block at(r, k), in two halves.
+template <class F>
+__device__ __forceinline__ void a_frag_split(F at, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i & 1), k = 2 * t + 8 * (i >> 1);
+    split_pack(at(r, k), at(r, k + 1), hi[i], lo[i]);
+  }
+}
+// The B fragment of lane (g, t): rows k = 2t, 2t + 1 and 2t + 8, 2t + 9 of column g, at(k), in two halves.
+template <class F>
+__device__ __forceinline__ void b_frag_split(F at, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) split_pack(at(2 * t + 8 * h), at(2 * t + 8 * h + 1), hi[h], lo[h]);
+}
+__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma_bf16(c, al, bh);  // the small terms first
+  mma_bf16(c, ah, bl);
+  mma_bf16(c, ah, bh);
+}
+
+template <int D>
+__device__ void key_terms_mma(const KdaBwdParams& p, AdjSmem<D>& s) {
+  constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
+  const ChunkSmem<D>& ch = s.ch;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const float sc = p.scale;
+  uint32_t Ph[4], Pl[4], Qh[4], Ql[4], PTh[4], PTl[4], QTh[4], QTl[4], FTh[4], FTl[4];
+  a_frag_split([&](int r, int k) { return s.dL[r][k] * ch.beta[r]; }, Ph, Pl);
+  a_frag_split([&](int r, int k) { return s.dAqk[r][k] * sc; }, Qh, Ql);
+  a_frag_split([&](int r, int k) { return s.dL[k][r] * ch.beta[k]; }, PTh, PTl);  // P^T
+  a_frag_split([&](int r, int k) { return s.dAqk[k][r] * sc; }, QTh, QTl);        // Q^T
+  a_frag_split([&](int r, int k) { return ch.X[k][r] * ch.beta[r]; }, FTh, FTl);  // Af^T (Af = X diag(beta))
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+    const int n0 = 8 * (NTW * warp + j), e = n0 + g;  // the B operands' column of this lane
+    const float m = 0.5f * ch.gc[BT - 1][e];
+    uint32_t kbh[2], kbl[2], kfh[2], kfl[2], qfh[2], qfl[2], dwh[2], dwl[2];
+    b_frag_split([&](int i) { return ch.k[i][e] * expf(m - ch.gc[i][e]); }, kbh, kbl);
+    b_frag_split([&](int c) { return ch.k[c][e] * expf(ch.gc[c][e] - m); }, kfh, kfl);
+    b_frag_split([&](int c) { return ch.q[c][e] * expf(ch.gc[c][e] - m); }, qfh, qfl);
+    b_frag_split([&](int c) { return s.dw[c][e]; }, dwh, dwl);
+    float m1[4] = {}, m2[4] = {}, m3[4] = {}, mk[4] = {};
+    mma_split(m1, Ph, Pl, kbh, kbl);
+    mma_split(m2, Qh, Ql, kbh, kbl);
+    mma_split(m3, PTh, PTl, kfh, kfl);
+    mma_split(m3, QTh, QTl, qfh, qfl);
+    mma_split(mk, FTh, FTl, dwh, dwl);
+    float gl[2] = {0.f, 0.f};  // this lane's two columns' share of dglast
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int r = acc_row(0, v), col = n0 + acc_col(0, v);
+      const float gc = ch.gc[r][col], mc = 0.5f * ch.gc[BT - 1][col];
+      const float ef = expf(gc - mc), eb = expf(mc - gc), ed = expf(gc), er = expf(ch.gc[BT - 1][col] - gc);
+      const float kv = ch.k[r][col], qv = ch.q[r][col], dqd = sc * s.dqd[r][col], dkr = s.dkr[r][col];
+      const float kr = kv * er;
+      const float a1 = ef * m1[v] + ed * mk[v], a2 = ef * m2[v] + ed * dqd, a3 = eb * m3[v];
+      s.ph.g.dq[r][col] = a2;
+      s.ph.g.dk[r][col] = a1 + a3 + er * dkr;
+      s.ph.g.dal[r][col] = kv * a1 + qv * a2 - kv * a3 - kr * dkr;
+      gl[v & 1] += kr * dkr;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // over the rows: the eight lanes g of this t
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) gl[h] += __shfl_xor_sync(0xffffffffu, gl[h], o);
+    }
+    if (g == 0) {  // one lane a column pair, one warp a column: no other writer
+      s.dgl[n0 + 2 * t] += gl[0];
+      s.dgl[n0 + 2 * t + 1] += gl[1];
+    }
+  }
+}
+#endif
+
 template <int D>
 __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const KdaBwdParams p) {
   KDA_DYNAMIC_SMEM(smem_raw);
@@ -861,28 +963,47 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_SMALL, tp);
 #endif
-  // the pair terms, the decays and da, one key dimension per thread: two groups of D threads share the pair rows
-  // and the key rows of w (136 terms each), the second adding its sums into the first's through shared memory
+  // the per-key-dimension terms: on tensor cores where the chunk's decays factor (key_terms_mma, into s.ph.g and
+  // s.dgl), else one key dimension per thread on the CUDA cores, two groups of D threads sharing the pair rows and
+  // the key rows of w (136 terms each), the second adding its sums into the first's through shared memory
   const int e = tid % D, grp = tid / D;
   float dq[BT], dk[BT], dgc[BT], dglast = 0.f;
 #pragma unroll
   for (int c = 0; c < BT; ++c) dq[c] = dk[c] = dgc[c] = 0.f;
-  if (grp == 0) {
-    dglast = s.dgl[e];
-    key_terms<D, 0, kSplitRow, 0, kSplitKey>(p, s, e, dq, dk, dgc, dglast);
-  } else if (grp == 1 && kSplitRow < BT) {
-    key_terms<D, kSplitRow, BT, kSplitKey, BT>(p, s, e, dq, dk, dgc, dglast);
+#ifdef KDA_BWD_KEY_TERMS_MMA
+  bool wide = false;  // the same flags for every thread: the whole block takes one path
 #pragma unroll
-    for (int c = 0; c < BT; ++c) {
-      s.ph.g.dq[c][e] = dq[c];
-      s.ph.g.dk[c][e] = dk[c];
-      s.ph.g.dal[c][e] = dgc[c];
+  for (int w = 0; w < kAdjThreads / 32; ++w) wide = wide || ch.wide[w] != 0.f;
+  if (!wide) {
+    key_terms_mma<D>(p, s);
+    __syncthreads();
+    if (grp == 0) {
+#pragma unroll
+      for (int c = 0; c < BT; ++c) {
+        dq[c] = s.ph.g.dq[c][e];
+        dk[c] = s.ph.g.dk[c][e];
+        dgc[c] = s.ph.g.dal[c][e];
+      }
+      dglast = s.dgl[e];
     }
-    s.dgl_part[e] = dglast;
-  }
-  __syncthreads();
-  if (grp == 0) {
-    if (kSplitRow < BT) {  // the second group's sums: the same thread reads each and, below, writes its place
+  } else
+#endif
+  {
+    if (grp == 0) {
+      dglast = s.dgl[e];
+      key_terms<D, 0, kSplitRow, 0, kSplitKey>(p, s, e, dq, dk, dgc, dglast);
+    } else if (grp == 1 && kSplitRow < BT) {
+      key_terms<D, kSplitRow, BT, kSplitKey, BT>(p, s, e, dq, dk, dgc, dglast);
+#pragma unroll
+      for (int c = 0; c < BT; ++c) {
+        s.ph.g.dq[c][e] = dq[c];
+        s.ph.g.dk[c][e] = dk[c];
+        s.ph.g.dal[c][e] = dgc[c];
+      }
+      s.dgl_part[e] = dglast;
+    }
+    __syncthreads();
+    if (grp == 0 && kSplitRow < BT) {  // the second group's sums: the same thread reads each and, below, writes its place
 #pragma unroll
       for (int c = 0; c < BT; ++c) {
         dq[c] += s.ph.g.dq[c][e];
@@ -891,6 +1012,8 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
       }
       dglast += s.dgl_part[e];
     }
+  }
+  if (grp == 0) {
     // gc = cumsum(a), glast = gc[last]: da[c] = sum_{c' >= c} dgc[c'] + dglast; then the gate
     const float A = expf(p.A_log[h]);
     float acc = dglast, dsum = 0.f;  // dsum: the chunk's share of ddt_bias[h][e]

@@ -186,14 +186,19 @@ BACKWARD_VARIANTS = {
     "fp32_chains": ("KDA_BWD_FP32_CHAINS",),  # the two chains on the CUDA cores, in fp32 (backward.cuh)
     "pairwise_sums": ("KDA_BWD_PAIRWISE_SUMS",),  # every pair decay its own exponential (B1's and B4's pair sums, B4's pair terms)
     "fp32_operands": ("KDA_BWD_FP32_OPERANDS",),  # B1's qd, kr, w in fp32, the tensor-core chains rounding them as they read
-    "one_key_group": ("KDA_BWD_ONE_KEY_GROUP",),  # B4's per-key-dimension terms on D threads, not two groups of D
+    # B4's per-key-dimension terms on the CUDA cores (chunks too wide to factor, fp32_key_terms) on D threads, not
+    # two groups of D
+    "one_key_group": ("KDA_BWD_ONE_KEY_GROUP",),
     "fp32_adjoint": ("KDA_BWD_FP32_ADJOINT",),  # B4's products with S and dS on the CUDA cores, in fp32
+    # B4's per-key-dimension terms (the pair terms, dkd) on the CUDA cores in fp32, every chunk as the ones too wide
+    # to factor take them, not as tensor-core products of the factored decays (backward.cuh key_terms_mma)
+    "fp32_key_terms": ("KDA_BWD_FP32_KEY_TERMS",),
     # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
     # not a change but the reference build: every product and stored state in fp32, so that each kernel's output
     # is the fp64 model's to fp32 round-off (scripts/check_backward.py --kernels, tests/test_backward_emu.py)
-    "exact": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_ADJOINT"),
+    "exact": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_ADJOINT", "KDA_BWD_FP32_KEY_TERMS"),
 }
 
 
