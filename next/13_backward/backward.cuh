@@ -571,6 +571,9 @@ struct AdjSmem {
       float dq[BT][D], dk[BT][D];  // of the normalised q, k
       float dal[BT][D];            // da * da/dA_log, summed over d per token
     } g;
+    struct {  // pair_grads_mma's sums over each block of 16 key dimensions
+      float aqk[D / 16][BT][BT + 1], af[D / 16][BT][BT + 1];
+    } part;
   } ph;
   float dgl[D];  // the gradient of glast through the state's decay
   float dAqk[BT][BT + 1], dAf[BT][BT + 1], dL[BT][BT + 1];
@@ -759,21 +762,8 @@ __device__ __forceinline__ void key_terms(const KdaBwdParams& p, const AdjSmem<D
   }
 }
 
-// The same terms on tensor cores, the stage's where a chunk's decays factor (no key dimension decays by more than
-// kFactoredRange in it; the build fp32_key_terms, and chunks that decay more, take key_terms above). With
-// P = beta_c dL (c > i) and Q = scale dAqk (i <= c), the pair sums over i of key dimension e are [16, 16] x [16, D]
-// products once each decay e^{gc_c - gc_i} = e^{gc_c - m} e^{m - gc_i} is split about the chunk's middle
-// m = glast / 2 (each factor within e^{+-kFactoredRange / 2}, so no sum comes near fp32's range):
-//   M1 = P kb,  M2 = Q kb,  M3 = P^T kf + Q^T qf,  dkd = Af^T dw,    kb = k e^{m - gc}, kf = k e^{gc - m}, qf = q e^{gc - m}
-//   dq  = e^{gc - m} M2 + scale e^gc dqd
-//   dk  = e^{gc - m} M1 + e^{m - gc} M3 + e^gc dkd + e^{glast - gc} dkr
-//   dgc = k e^{gc - m} M1 + q e^{gc - m} M2 - k e^{m - gc} M3 + k e^gc dkd + scale q e^gc dqd - kr dkr
-//   dglast += sum over the rows of kr dkr
-// Each product is three bf16 MMAs of its operands' high and low halves (hi hi + hi lo + lo hi: fp32's products to
-// about 2^-16), fp32 accumulation. Warp w takes the D / 8 columns of state_products_mma; the results go to
-// s.ph.g (dq, dk, and dgc in dal's place) and dglast's share into s.dgl.
-#if !defined(KDA_BWD_FP32_KEY_TERMS) && !defined(KDA_BWD_PAIRWISE_SUMS)
-#define KDA_BWD_KEY_TERMS_MMA 1
+// bf16 MMAs that keep fp32's products: each operand split into high and low bf16 halves (B4's products but
+// those with the states, which are stored in bf16).
 // x0, x1 (adjacent in k) as the bf16 pair hi and the pair lo of what hi leaves: x = hi + lo to about 2^-16
 __device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   hi = pack_bf16(x0, x1);
@@ -807,6 +797,69 @@ __device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&ah)[4]
   mma_bf16(c, ah, bh);
 }
 
+// dAqk = do vcorr^T and dAf = dw kd^T + dvcorr v^T ([16, D] x [D, 16] each, kept on i <= c) on tensor cores, split
+// into bf16 halves as key_terms_mma's products (the build fp32_pair_grads takes them on the CUDA cores in fp32, a
+// pair (c, i) a thread). Warp w takes the key dimensions 16 kb .. 16 kb + 15, kb = w mod D / 16, of the 8-column
+// tiles (tokens i) its share; each block's sums go to s.ph.part, then a pair a thread adds them.
+template <int D>
+__device__ void pair_grads_mma(AdjSmem<D>& s) {
+  constexpr int KB = D / 16, NTW = 2 * KB / 8;  // key blocks; 8-column tiles a warp (2 at D = 128, 1 at D = 64)
+  static_assert(kAdjThreads == 256 && 8 * NTW == 2 * KB, "eight warps take the key blocks and the two column tiles");
+  const ChunkSmem<D>& ch = s.ch;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int kb = warp % KB, k0 = 16 * kb;
+  uint32_t doh[4], dol[4], dwh[4], dwl[4], dvh[4], dvl[4];
+  a_frag_split([&](int r, int k) { return s.dout[r][k0 + k]; }, doh, dol);
+  a_frag_split([&](int r, int k) { return s.dw[r][k0 + k]; }, dwh, dwl);
+  a_frag_split([&](int r, int k) { return s.dvc[r][k0 + k]; }, dvh, dvl);
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+    const int nt = warp / KB * NTW + j, i = 8 * nt + g;  // this lane's B column: token i
+    uint32_t vch[2], vcl[2], kdh[2], kdl[2], vh[2], vl[2];
+    b_frag_split([&](int k) { return s.vc[i][k0 + k]; }, vch, vcl);
+    b_frag_split([&](int k) { return ch.k[i][k0 + k] * expf(ch.gc[i][k0 + k]); }, kdh, kdl);  // kd = k e^gc
+    b_frag_split([&](int k) { return ch.v[i][k0 + k]; }, vh, vl);
+    float qa[4] = {}, fa[4] = {};
+    mma_split(qa, doh, dol, vch, vcl);
+    mma_split(fa, dwh, dwl, kdh, kdl);
+    mma_split(fa, dvh, dvl, vh, vl);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      s.ph.part.aqk[kb][acc_row(0, v)][acc_col(nt, v)] = qa[v];
+      s.ph.part.af[kb][acc_row(0, v)][acc_col(nt, v)] = fa[v];
+    }
+  }
+  __syncthreads();
+  for (int pr = threadIdx.x; pr < BT * BT; pr += kAdjThreads) {
+    const int c = pr / BT, i = pr % BT;
+    float qa = 0.f, fa = 0.f;
+    if (i <= c) {
+#pragma unroll
+      for (int b = 0; b < KB; ++b) {
+        qa += s.ph.part.aqk[b][c][i];
+        fa += s.ph.part.af[b][c][i];
+      }
+    }
+    s.dAqk[c][i] = qa;
+    s.dAf[c][i] = fa;
+  }
+}
+
+// The same terms on tensor cores, the stage's where a chunk's decays factor (no key dimension decays by more than
+// kFactoredRange in it; the build fp32_key_terms, and chunks that decay more, take key_terms above). With
+// P = beta_c dL (c > i) and Q = scale dAqk (i <= c), the pair sums over i of key dimension e are [16, 16] x [16, D]
+// products once each decay e^{gc_c - gc_i} = e^{gc_c - m} e^{m - gc_i} is split about the chunk's middle
+// m = glast / 2 (each factor within e^{+-kFactoredRange / 2}, so no sum comes near fp32's range):
+//   M1 = P kb,  M2 = Q kb,  M3 = P^T kf + Q^T qf,  dkd = Af^T dw,    kb = k e^{m - gc}, kf = k e^{gc - m}, qf = q e^{gc - m}
+//   dq  = e^{gc - m} M2 + scale e^gc dqd
+//   dk  = e^{gc - m} M1 + e^{m - gc} M3 + e^gc dkd + e^{glast - gc} dkr
+//   dgc = k e^{gc - m} M1 + q e^{gc - m} M2 - k e^{m - gc} M3 + k e^gc dkd + scale q e^gc dqd - kr dkr
+//   dglast += sum over the rows of kr dkr
+// Each product is three bf16 MMAs of its operands' high and low halves (hi hi + hi lo + lo hi: fp32's products to
+// about 2^-16), fp32 accumulation. Warp w takes the D / 8 columns of state_products_mma; the results go to
+// s.ph.g (dq, dk, and dgc in dal's place) and dglast's share into s.dgl.
+#if !defined(KDA_BWD_FP32_KEY_TERMS) && !defined(KDA_BWD_PAIRWISE_SUMS)
+#define KDA_BWD_KEY_TERMS_MMA 1
 template <int D>
 __device__ void key_terms_mma(const KdaBwdParams& p, AdjSmem<D>& s) {
   constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
@@ -910,12 +963,13 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
 #endif
   __syncthreads();  // the tiles are done with: kd takes their place
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_STATES, tp);
+  // dAqk = lower_incl(do vcorr^T); dAf = dw kd^T + du v^T (du = dvcorr), on i <= c
+#ifdef KDA_BWD_FP32_PAIR_GRADS
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
     const int c = idx / D, e = idx % D;
     s.ph.kd[c][e] = ch.k[c][e] * expf(ch.gc[c][e]);
   }
   __syncthreads();
-  // dAqk = lower_incl(do vcorr^T); dAf = dw kd^T + du v^T (du = dvcorr), on i <= c
   for (int pr = tid; pr < BT * BT; pr += kAdjThreads) {
     const int c = pr / BT, i = pr % BT;
     float qa = 0.f, fa = 0.f;
@@ -928,6 +982,9 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     s.dAqk[c][i] = qa;
     s.dAf[c][i] = fa;
   }
+#else
+  pair_grads_mma<D>(s);
+#endif
   __syncthreads();
   // dbeta through Af = X diag(beta); T1 = X^T dX with dX = dAf diag(beta)
   if (tid < BT) {
