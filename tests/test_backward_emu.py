@@ -95,7 +95,8 @@ def test_chunks_too_wide_to_factor_go_pair_by_pair(stage):
 # CUDA cores in fp32, every other product the same. The per-key-dimension terms (key_terms_mma against the build
 # fp32_key_terms): 2e-7 to 8.3e-6 measured (dA_log the largest); with Q^T read as Q (a planted slip) dk is 52 to
 # 6e15 off (the upper triangle's decays are not below 1). dAqk and dAf (pair_grads_mma against fp32_pair_grads):
-# 3e-7 to 6.5e-6 (dq the largest); with kd = k, its decay left out (planted), dk is 2.8e-3 to 1.1e-2 off.
+# 3e-7 to 6.5e-6 (dq the largest); with kd = k, its decay left out (planted), dk is 2.8e-3 to 1.1e-2 off. dv (dv_mma
+# against fp32_dv): 3.4e-6 to 4.7e-6; with Af's beta taken by row, not by column (planted), 1.4e-2 to 7.9e-2 off.
 SPLIT_TOL = 2e-5
 
 
@@ -107,12 +108,12 @@ def _wide_case():
     return kw, do, dht
 
 
-@pytest.mark.parametrize("variant", ["fp32_key_terms", "fp32_pair_grads"])
+@pytest.mark.parametrize("variant", ["fp32_key_terms", "fp32_pair_grads", "fp32_dv"])
 @pytest.mark.parametrize("which", ["B2-T37-K64", "B1-T20-K128-bounded", "both-kinds-of-chunk"])
 def test_the_split_products_are_the_fp32_ones(stage, which, variant):
     """B4's products but those with the states run on tensor cores, each operand split into bf16 halves: the
     per-key-dimension terms where a chunk's decays factor (key_terms_mma: elsewhere on the CUDA cores), dAqk and
-    dAf (pair_grads_mma). Every gradient against the build that takes one of them on the CUDA cores in fp32, on
+    dAf (pair_grads_mma), dv (dv_mma). Every gradient against the build that takes one of them on the CUDA cores in fp32, on
     cases with a tail, h0, both head sizes, and chunks of both kinds."""
     if which == "both-kinds-of-chunk":
         (kw, do, dht), gate, lb = _wide_case(), "softplus", None

@@ -845,6 +845,31 @@ __device__ void pair_grads_mma(AdjSmem<D>& s) {
   }
 }
 
+// dv = Af^T du (du = dvcorr, Af = X diag(beta)) on tensor cores, split into bf16 halves (the build fp32_dv: on the
+// CUDA cores in fp32, an element a thread), written from the accumulators: warp w the columns of
+// state_products_mma, the chunk's real tokens (tok0, its first) only.
+template <int D>
+__device__ void dv_mma(const KdaBwdParams& p, const AdjSmem<D>& s, size_t tok0, int h, int len) {
+  constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
+  const ChunkSmem<D>& ch = s.ch;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  uint32_t fth[4], ftl[4];
+  a_frag_split([&](int r, int k) { return ch.X[k][r] * ch.beta[r]; }, fth, ftl);  // Af^T
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+    const int n0 = 8 * (NTW * warp + j), e = n0 + g;
+    uint32_t bh[2], bl[2];
+    b_frag_split([&](int c) { return s.dvc[c][e]; }, bh, bl);
+    float acc[4] = {};
+    mma_split(acc, fth, ftl, bh, bl);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int i = acc_row(0, v);
+      if (i < len) put_grad(p.dv, p.dv_bf, ((tok0 + i) * p.H + h) * D + n0 + acc_col(0, v), acc[v]);
+    }
+  }
+}
+
 // The same terms on tensor cores, the stage's where a chunk's decays factor (no key dimension decays by more than
 // kFactoredRange in it; the build fp32_key_terms, and chunks that decay more, take key_terms above). With
 // P = beta_c dL (c > i) and Q = scale dAqk (i <= c), the pair sums over i of key dimension e are [16, 16] x [16, D]
@@ -1105,6 +1130,7 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   __syncthreads();
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, KDA_REG_B4_KEYS, tp);
   // dv = Af^T du
+#ifdef KDA_BWD_FP32_DV
   for (int idx = tid; idx < BT * D; idx += kAdjThreads) {
     const int i = idx / D, e = idx % D;
     if (i < len) {
@@ -1113,6 +1139,9 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
       put_grad(p.dv, p.dv_bf, (((size_t)sq.bos + t0 + i) * p.H + h) * D + e, acc);
     }
   }
+#else
+  dv_mma<D>(p, s, (size_t)sq.bos + t0, h, len);
+#endif
   // per token: the l2norm's adjoint, dbeta through the sigmoid, dA_log's share; one warp per row
   for (int c = warp; c < len; c += kAdjThreads / 32) {
     float xq = 0.f, xk = 0.f, al = 0.f;

@@ -196,13 +196,14 @@ BACKWARD_VARIANTS = {
     # B4's dAqk = do vcorr^T and dAf = dw kd^T + dvcorr v^T on the CUDA cores in fp32, a pair a thread, not as
     # tensor-core products (backward.cuh pair_grads_mma)
     "fp32_pair_grads": ("KDA_BWD_FP32_PAIR_GRADS",),
+    "fp32_dv": ("KDA_BWD_FP32_DV",),  # B4's dv = Af^T dvcorr on the CUDA cores in fp32, not on tensor cores (dv_mma)
     # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
     # not a change but the reference build: every product and stored state in fp32, so that each kernel's output
     # is the fp64 model's to fp32 round-off (scripts/check_backward.py --kernels, tests/test_backward_emu.py)
     "exact": ("KDA_BWD_STATES_FP32", "KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_ADJOINT", "KDA_BWD_FP32_KEY_TERMS",
-              "KDA_BWD_FP32_PAIR_GRADS"),
+              "KDA_BWD_FP32_PAIR_GRADS", "KDA_BWD_FP32_DV"),
 }
 
 
