@@ -343,6 +343,24 @@ def test_vcorr_over_u_changes_nothing(stage):
                     assert torch.equal(shared[n].nan_to_num(7.0), apart[n].nan_to_num(7.0)), (variant, n)
 
 
+def test_b4_reading_b1s_inverse_is_b4_forming_it(stage):
+    """B1 keeps each chunk's X = (I + L)^-1 and pair sums kk for B4, which no longer forms them: every gradient the
+    same bits as the build where B4 forms them again (b4_rebuilds), on a case with a tail and h0, on packed
+    sequences, and on chunks too wide to factor; what B1 keeps is written on every real chunk."""
+    for (kw, do, dht, cu), gate, lb in ((_case(*CASES[1]) + (None,), *CASES[1][4:6]),
+                                        (_packed_case("softplus", None, seed=6), "softplus", None),
+                                        (_wide_case() + (None,), "softplus", None)):
+        args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht, cu_seqlens=cu)
+        kept = stage.emulate_backward(**args)
+        formed = stage.emulate_backward(**args, variant="b4_rebuilds")
+        assert formed["Xkk"].numel() == 0
+        real = torch.isfinite(kept["Aqk"]).all(-1).all(-1)  # the chunks B1 ran
+        assert real.any() and torch.isfinite(kept["Xkk"][real]).all()
+        for n in NAMES:
+            if kept[n] is not None:
+                assert torch.equal(kept[n], formed[n]), n
+
+
 def test_the_profile_regions_are_the_kernels_table(stage):
     """SPEC.backward_regions names kda.h's KdaBwdRegion ids in order, and the table fits the profile buffer."""
     import re
@@ -452,3 +470,4 @@ def test_the_declared_bytes_are_the_workspace(stage, variant):
     assert want["Aqk, exp(glast) (fp32)"] == nbytes["Aqk"] + nbytes["el"]
     assert want["entry states, exit gradients"] == nbytes["states"] + nbytes["dstates"]
     assert want["dvcorr (fp32)"] == nbytes["dvcorr"]
+    assert want["X, kk: B1's, for B4 (fp32)"] == got["Xkk"].numel() * got["Xkk"].element_size()

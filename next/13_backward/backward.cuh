@@ -117,8 +117,10 @@ __device__ __forceinline__ size_t chunk_slot(const KdaBwdParams& p, int bh, int 
 
 // Load and rebuild chunk n of pair bh (sequence bh / H, head bh % H) into s, with NTHR threads; its three parts
 // are timed into the profile's regions reg0, reg0 + 1, reg0 + 2 (load, pair sums, inverse).
-// Tokens past the sequence's end are zero (k = q = v = 0, beta = 0, a = 0).
-template <int D, int NTHR>
+// Tokens past the sequence's end are zero (k = q = v = 0, beta = 0, a = 0). With kPairs false (B4 where B1 keeps
+// them, kda.h KDA_BWD_KEEP_XKK) the pair sums kk and the inverse X are B1's, read from p.Xkk with the inputs; qk
+// is then not formed.
+template <int D, int NTHR, bool kPairs = true>
 __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s, PairScratch<D>& sc, int reg0) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = bh % p.H;
@@ -157,6 +159,15 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
     const int c = tid;
     s.beta[c] = c < len ? 1.f / (1.f + expf(-bf2f(p.beta[((size_t)sq.bos + t0 + c) * p.H + h]))) : 0.f;
   }
+#ifdef KDA_BWD_KEEP_XKK
+  if (!kPairs) {  // B1's X and kk of this chunk, loaded with the inputs
+    for (int pr = tid; pr < BT * BT; pr += NTHR) {
+      const int c = pr / BT, i = pr % BT;
+      s.X[c][i] = p.Xkk[slot * 2 * BT * BT + pr];
+      s.kk[c][i] = p.Xkk[slot * 2 * BT * BT + BT * BT + pr];
+    }
+  }
+#endif
   __syncthreads();
   // the norms, one warp per row
   for (int c = warp; c < BT; c += NTHR / 32) {
@@ -196,6 +207,7 @@ __device__ void load_chunk(const KdaBwdParams& p, int bh, int n, ChunkSmem<D>& s
   __syncthreads();
   for (int w = 0; w < NTHR / 32; ++w) wide = fmaxf(wide, s.wide[w]);
   if (tid == 0) KDA_PROF_LAP(p.prof, slot, reg0, tp);
+  if (!kPairs) return;  // kk and X are in (read above)
 #ifndef KDA_BWD_PAIRWISE_SUMS
   if (wide == 0.f) {  // the whole block: every thread read the same flags
     // the pair sums factored, as the forward's K1 takes them where a chunk allows:
@@ -313,6 +325,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepMinBlocks) kda_bwd_prepare_
   for (int pr = tid; pr < BT * BT; pr += kPrepThreads) {
     const int c = pr / BT, i = pr % BT;
     p.Aqk[slot * BT * BT + pr] = i <= c ? p.scale * s.qk[c][i] : 0.f;
+#ifdef KDA_BWD_KEEP_XKK
+    p.Xkk[slot * 2 * BT * BT + pr] = s.X[c][i];  // for B4, which then forms neither
+    p.Xkk[slot * 2 * BT * BT + BT * BT + pr] = s.kk[c][i];
+#endif
   }
 #ifdef KDA_PROFILE
   __syncthreads();  // the block's stores issued (the profile build only)
@@ -948,7 +964,11 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
   if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#ifdef KDA_BWD_KEEP_XKK
+  load_chunk<D, kAdjThreads, false>(p, bh, n, s.ch, s.ph.pairs, KDA_REG_B4_LOAD);  // B1's X and kk
+#else
   load_chunk<D, kAdjThreads>(p, bh, n, s.ch, s.ph.pairs, KDA_REG_B4_LOAD);
+#endif
   KDA_PROF_START(tp);
   ChunkSmem<D>& ch = s.ch;
   const size_t slot = chunk_slot(p, bh, n);

@@ -550,6 +550,11 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   torch::Tensor qd = torch::empty({slots, kChunk, K}, op_opts), kr = torch::empty({slots, kChunk, K}, op_opts);
   torch::Tensor w = torch::empty({slots, kChunk, K}, op_opts), u = torch::empty({slots, kChunk, V}, opts);
   torch::Tensor Aqk = torch::empty({slots, kChunk, kChunk}, opts), el = torch::empty({slots, K}, opts);
+#ifdef KDA_BWD_KEEP_XKK
+  torch::Tensor Xkk = torch::empty({slots, 2, kChunk, kChunk}, opts);  // B1's X and kk, for B4
+#else
+  torch::Tensor Xkk = torch::empty({0}, opts);
+#endif
 #ifdef KDA_BWD_STATES_FP32
   const auto state_opts = opts;
 #else
@@ -595,6 +600,7 @@ std::vector<torch::Tensor> bwd_impl(torch::Tensor q, torch::Tensor k, torch::Ten
   p.u = u.data_ptr<float>();
   p.Aqk = Aqk.data_ptr<float>();
   p.el = el.data_ptr<float>();
+  p.Xkk = Xkk.numel() > 0 ? Xkk.data_ptr<float>() : nullptr;
   p.states = reinterpret_cast<kda_state_t*>(states.data_ptr());
   p.dstates = reinterpret_cast<kda_state_t*>(dstates.data_ptr());
   p.vcorr = vcorr.data_ptr<float>();

@@ -7,6 +7,7 @@
 // keep_u) -> [dq, dk, dv, dg, dbeta (fp32, or bf16 with grads_bf16), dAlog_part, dh0 (or empty), qd, kr, w, u, Aqk,
 // el, states, dstates, vcorr, dvcorr, ddt_bias], CPU tensors, inputs as the GPU binding takes them (bf16 q, k, v,
 // g, beta; fp32 the rest). u is vcorr's buffer, as the binding has it (B2 writes vcorr over u), but with keep_u.
+// Then Xkk [slots, 2, 16, 16] (B1's X and kk for B4; empty in the build b4_rebuilds).
 #include "kda_emu.h"
 
 #include <torch/extension.h>
@@ -82,6 +83,11 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
 #endif
   torch::Tensor u = nan({S, 16, D});
   torch::Tensor Aqk = nan({S, 16, 16}), el = nan({S, D});
+#ifdef KDA_BWD_KEEP_XKK
+  torch::Tensor Xkk = nan({S, 2, 16, 16});  // as the binding: B1's X and kk, for B4
+#else
+  torch::Tensor Xkk = torch::empty({0}, o);
+#endif
 #ifdef KDA_BWD_STATES_FP32
   torch::Tensor st = nan({S, D, D}), dst = nan({S, D, D});
 #else
@@ -119,6 +125,7 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
   p.u = u.data_ptr<float>();
   p.Aqk = Aqk.data_ptr<float>();
   p.el = el.data_ptr<float>();
+  p.Xkk = Xkk.numel() > 0 ? Xkk.data_ptr<float>() : nullptr;
   p.states = reinterpret_cast<kda_state_t*>(st.data_ptr());
   p.dstates = reinterpret_cast<kda_state_t*>(dst.data_ptr());
   p.vcorr = vc.data_ptr<float>();
@@ -131,7 +138,8 @@ std::vector<torch::Tensor> emu_bwd(torch::Tensor q, torch::Tensor k, torch::Tens
     launch_all<64>(p);
   else
     launch_all<128>(p);
-  return {dq, dk, dv, dg, dbeta, dal, dh0, qd, kr, w, u, Aqk, el, st, dst, vc, dvc, ddt.view({N, H, NT, D}).sum({0, 2})};
+  return {dq, dk, dv, dg, dbeta, dal, dh0, qd, kr, w, u, Aqk, el, st, dst, vc, dvc, ddt.view({N, H, NT, D}).sum({0, 2}),
+          Xkk};
 }
 
 }  // namespace

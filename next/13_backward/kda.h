@@ -223,6 +223,12 @@ using kda_op_t = float;
 using kda_op_t = __nv_bfloat16;
 #endif
 
+// B1 keeps each chunk's X = (I + L)^-1 and pair sums kk for B4 (2 KB a chunk, fp32), which then rebuilds only
+// the rest of the chunk; the variant build b4_rebuilds (KDA_BWD_B4_REBUILDS) has B4 form them again, as B1 does.
+#ifndef KDA_BWD_B4_REBUILDS
+#define KDA_BWD_KEEP_XKK 1
+#endif
+
 struct KdaBwdParams {
   int B, T, H, D;  // D = K = V
   int N;           // sequences: B, or cu_seqlens' N
@@ -242,6 +248,7 @@ struct KdaBwdParams {
   float* u;              // [.., 16, V]: B2 writes each chunk's vcorr over it where vcorr == u (the binding's)
   float* Aqk;            // [.., 16, 16]
   float* el;             // [.., K]  exp(glast)
+  float* Xkk;            // [.., 2, 16, 16]  X, then kk (KDA_BWD_KEEP_XKK; else nullptr)
   kda_state_t *states, *dstates;  // [.., K, V]: each chunk's entry state, and the gradient of its exit state
   float *vcorr, *dvcorr;    // [.., 16, V]
   // ---- outputs, fp32, or bf16 where the *_bf pointer is given (then the fp32 one is not written) ----

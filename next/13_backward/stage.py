@@ -126,7 +126,7 @@ def emulate_backward(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, sc
     grads = dict(q=dq, k=dk, v=dv, g=dg, beta=dbeta, A_log=dal.sum((0, 1)), dt_bias=out[17],
                  initial_state=dh0 if initial_state is not None else None)
     names = ("qd", "kr", "w", "u", "Aqk", "el", "states", "dstates", "vcorr", "dvcorr")
-    return dict(grads, **dict(zip(names, out[7:17])))
+    return dict(grads, **dict(zip(names, out[7:17])), Xkk=out[18])
 
 
 class EmulatedExtension:
@@ -169,6 +169,7 @@ def backward_bytes(B, T, H, K, *, variant=None, grads_bytes=2) -> dict:
         "qd, kr, w": 3 * slots * 16 * K * ops_bytes,
         "u, then vcorr over it (fp32)": slots * 16 * K * f32,
         "Aqk, exp(glast) (fp32)": slots * (16 * 16 + K) * f32,
+        "X, kk: B1's, for B4 (fp32)": 0 if "KDA_BWD_B4_REBUILDS" in defines else slots * 2 * 16 * 16 * f32,
         "entry states, exit gradients": 2 * slots * K * K * states_bytes,
         "dvcorr (fp32)": slots * 16 * K * f32,
         "dA_log's and ddt_bias's parts (fp32)": B * T * H * f32 + slots * K * f32,
@@ -196,7 +197,8 @@ BACKWARD_VARIANTS = {
     # B4's dAqk = do vcorr^T and dAf = dw kd^T + dvcorr v^T on the CUDA cores in fp32, a pair a thread, not as
     # tensor-core products (backward.cuh pair_grads_mma)
     "fp32_pair_grads": ("KDA_BWD_FP32_PAIR_GRADS",),
-    "fp32_dv": ("KDA_BWD_FP32_DV",),  # B4's dv = Af^T dvcorr on the CUDA cores in fp32, not on tensor cores (dv_mma)
+    "fp32_dv": ("KDA_BWD_FP32_DV",),
+    "b4_rebuilds": ("KDA_BWD_B4_REBUILDS",),  # B4 forms each chunk's pair sums kk and inverse X again, as B1 does  # B4's dv = Af^T dvcorr on the CUDA cores in fp32, not on tensor cores (dv_mma)
     # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
