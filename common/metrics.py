@@ -54,3 +54,13 @@ def worst(values) -> float | None:
 
 def tolerance(precision: str) -> float:
     return TOLERANCE[precision]
+
+
+def moving_mean(xs, w: int = 10) -> list:
+    """Each value's mean with the w - 1 before it (fewer at the start): a loss curve smoothed."""
+    return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
+
+
+def curve_gap(a, b, start: int = 0, w: int = 10) -> float:
+    """The largest difference of two curves, each smoothed by moving_mean, from index ``start`` on."""
+    return max(abs(x - y) for x, y in list(zip(moving_mean(a, w), moving_mean(b, w)))[start:])

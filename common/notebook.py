@@ -1990,7 +1990,7 @@ def backward_model_check(B: int = 2, T: int = 37, H: int = 2, K: int = 16, seed:
     return pd.DataFrame(rows).pivot(index="gradient", columns="gate", values="rel_err")
 
 
-def backward_profile(record: str = "stage13/bwd_profile_716f40b", device_dir: str = "h100",
+def backward_profile(record: str = "stage13/bwd_profile_4d6d8e6", device_dir: str = "h100",
                      gate: str = "softplus") -> pd.DataFrame:
     """Where stage 13's backward spends its time, from a record of scripts/profile_backward.py: clock64 cycles
     per chunk in each region of its kernels (B1 and B4 a block per chunk, a chain one step of one block), each
@@ -2005,6 +2005,97 @@ def backward_profile(record: str = "stage13/bwd_profile_716f40b", device_dir: st
     df["share of its kernel"] = df["cycles"] / df.groupby(["build", "kernel"])["cycles"].transform("sum")
     return df.pivot_table(index=["kernel", "region"], columns="build", values=["cycles", "share of its kernel"],
                           sort=False).round(2)
+
+
+# The memory's bandwidth by the vendors' datasheets (TB/s), and the SM clock at its boost (GHz): the floors'
+# rates. A device-to-device copy reached about 3.0 (H100) and 4.3 (H200) TB/s here, counting both ways.
+HBM_TBPS = {"h100": 3.35, "h200": 4.8}
+BOOST_GHZ = 1.98
+
+
+def backward_floors(train: str = "stage13/train_4d6d8e6", profile: str = "stage13/bwd_profile_4d6d8e6",
+                    device_dir: str = "h100", gate: str = "softplus") -> pd.DataFrame:
+    """Each of stage 13's backward kernels against its floors at the records' shape: its time (the profiler's,
+    from a record of scripts/bench_train.py), the bytes it must move (stage.backward_traffic) over the memory's
+    bandwidth, and for the chains the reverse chain's steps one after another (the chunks times the cycles of a
+    step, from a record of scripts/profile_backward.py, at the boost clock). What bounds a kernel is its larger
+    floor; the tensor cores' work is under 0.2 ms in every kernel at this shape and bounds none."""
+    from .stages import load_next
+
+    rec, prof = results.recorded(train, device_dir), results.recorded(profile, device_dir)
+    if rec is None or prof is None:
+        raise FileNotFoundError(f"results/{device_dir}/{train}.json or {profile}.json is not there")
+    _say_recorded(rec["meta"])
+    _say_recorded(prof["meta"])
+    row = next(r for r in rec["rows"] if r["side"] == "kdalab" and r["gate"] == gate)
+    B, T, H, K = (row[n] for n in ("B", "T", "H", "K"))
+    steps = {r["region"]: r["value"] for r in prof["rows"] if r["gate"] == gate and not r.get("variant")
+             and (r["B"], r["T"], r["H"], r["K"]) == (B, T, H, K)}
+    if not steps:
+        raise ValueError(f"{profile} has no profile of the stage at B{B} T{T} H{H} K{K}, {gate}")
+    stage = load_next("13_backward")
+    traffic = stage.backward_traffic(B, T, H, K)
+    out = []
+    for (name, kernel), (read, written) in zip(stage.BACKWARD_IO, traffic.values()):
+        ms = sum(v[1] for k, v in row["kernels"].items() if kernel + "<" in k)
+        floor = (read + written) / (HBM_TBPS[device_dir] * 1e12) * 1e3
+        chain = None
+        if "chains" in name:
+            step = max(steps["bwd: B2 step"], steps["bwd: B3 step"])  # the two chains run side by side
+            chain = -(-T // 16) * step / (BOOST_GHZ * 1e9) * 1e3
+        bound = max(floor, chain or 0.0)
+        out.append({"kernel": name, "ms": ms, "MB read": read / 1e6, "MB written": written / 1e6,
+                    "bytes floor ms": floor, "chain floor ms": chain, "bound by": "the chain" if chain and
+                    chain > floor else "bytes", "x its floor": ms / bound})
+    return pd.DataFrame(out).set_index("kernel").round(3)
+
+
+def loss_curves(record: str = "stage13/loss_4d6d8e6", device_dir: str = "h100"):
+    """A small KDA model trained through FLA's kernels and through kdalab's, from two seeds (a record of
+    scripts/train_small.py): the smoothed loss curves, and the largest gap past the first third between the two
+    kernels from one seed and between one kernel's two seeds (its run-to-run noise), recomputed from the curves
+    and checked against the record's. Returns the axes and a table of the gaps."""
+    import matplotlib.pyplot as plt
+
+    from .metrics import curve_gap, moving_mean
+
+    data = results.recorded(record, device_dir)
+    if data is None:
+        raise FileNotFoundError(f"results/{device_dir}/{record}.json is not there")
+    _say_recorded(data["meta"])
+    runs, start = data["runs"], data["steps"] // 3
+    seeds = sorted({n.split("seed")[1] for n in runs})
+    rows = [dict(between=f"FLA and kdalab, seed {s}", gap=curve_gap(runs[f"fla_seed{s}"], runs[f"kdalab_seed{s}"],
+                                                                    start)) for s in seeds]
+    rows += [dict(between=f"{k}: seeds {' and '.join(seeds)}", gap=curve_gap(*(runs[f"{k}_seed{s}"] for s in seeds),
+                                                                             start)) for k in ("fla", "kdalab")]
+    want = [data["kernel_gap"][s] for s in seeds] + [data["seed_gap"][k] for k in ("fla", "kdalab")]
+    fail_if([f"{r['between']}: {r['gap']:.3g}, the record says {w:.3g}" for r, w in zip(rows, want)
+             if abs(r["gap"] - w) > 1e-9], "the loss curves' gaps against the record")
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, losses in runs.items():
+        kernel, seed = name.split("_seed")
+        ax.plot(moving_mean(losses), lw=1.2, ls="-" if kernel == "kdalab" else "--",
+                label=f"{'kdalab' if kernel == 'kdalab' else 'FLA'}, seed {seed}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats, mean of 10 steps)")
+    ax.legend(fontsize=8)
+    ax.set_title("the four runs (they overlap)", fontsize=10)
+    for s in seeds:  # the kernels' difference from one seed, beside the seeds' difference on one kernel
+        d = [a - b for a, b in zip(moving_mean(runs[f"kdalab_seed{s}"]), moving_mean(runs[f"fla_seed{s}"]))]
+        dx.plot(d, lw=1.2, label=f"kdalab - FLA, seed {s}")
+    for k in ("fla", "kdalab"):
+        d = [a - b for a, b in zip(*(moving_mean(runs[f"{k}_seed{s}"]) for s in reversed(seeds)))]
+        dx.plot(d, lw=0.8, ls=":", label=f"{'FLA' if k == 'fla' else 'kdalab'}: seed {seeds[-1]} - seed {seeds[0]}")
+    dx.axvline(start, color="grey", lw=0.6)
+    dx.set_ylim(-0.08, 0.08)
+    dx.set_xlabel("step (the gaps are taken right of the grey line)")
+    dx.set_ylabel("difference of the smoothed losses")
+    dx.legend(fontsize=8)
+    dx.set_title("kernel against kernel, seed against seed", fontsize=10)
+    fig.suptitle(f"A small KDA model trained {data['steps']} steps ({data['meta']['device']}, recorded)", fontsize=11)
+    fig.tight_layout()
+    return ax, pd.DataFrame(rows).set_index("between")
 
 
 def backward_bytes(B: int = 1, T: int = 8192, H: int = 32, K: int = 128) -> pd.DataFrame:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from common.metrics import curve_gap, moving_mean  # noqa: E402
 from common.results import metadata  # noqa: E402
 from kdalab.layer import KDALayer  # noqa: E402
 
@@ -104,10 +105,6 @@ def train(kernel, seed, steps, B, T, lower_bound, data, lr=1e-3, **dims):
     return losses
 
 
-def smooth(xs, w=10):
-    return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -134,16 +131,13 @@ def main(argv=None):
                   flush=True)
             Path(args.out).write_text(json.dumps(rec, indent=1))
     seeds = [int(s) for s in args.seeds.split(",")]
-    tail = slice(args.steps // 3, None)  # past the first third: where the curves have left ln 256
-
-    def gap(a, b):
-        sa, sb = smooth(rec["runs"][a]), smooth(rec["runs"][b])
-        return max(abs(x - y) for x, y in list(zip(sa, sb))[tail])
+    def gap(a, b):  # past the first third: where the curves have left ln 256
+        return curve_gap(rec["runs"][a], rec["runs"][b], start=args.steps // 3)
 
     rec["kernel_gap"] = {s: gap(f"fla_seed{s}", f"kdalab_seed{s}") for s in seeds}
     if len(seeds) > 1:
         rec["seed_gap"] = {k: gap(f"{k}_seed{seeds[0]}", f"{k}_seed{seeds[1]}") for k in ("fla", "kdalab")}
-    rec["final_smoothed"] = {k: smooth(v)[-1] for k, v in rec["runs"].items()}
+    rec["final_smoothed"] = {k: moving_mean(v)[-1] for k, v in rec["runs"].items()}
     Path(args.out).write_text(json.dumps(rec, indent=1))
     print(json.dumps({k: rec[k] for k in ("kernel_gap", "seed_gap", "final_smoothed", "entropy_nats") if k in rec}),
           flush=True)

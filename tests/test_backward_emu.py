@@ -471,3 +471,67 @@ def test_the_declared_bytes_are_the_workspace(stage, variant):
     assert want["entry states, exit gradients"] == nbytes["states"] + nbytes["dstates"]
     assert want["dvcorr (fp32)"] == nbytes["dvcorr"]
     assert want["X, kk: B1's, for B4 (fp32)"] == got["Xkk"].numel() * got["Xkk"].element_size()
+    each = stage._buffer_bytes(B, T, H, K, variant)  # what backward_traffic counts, buffer by buffer
+    nbytes["Xkk"] = got["Xkk"].numel() * got["Xkk"].element_size()
+    assert {n: each[n] for n in nbytes} == nbytes
+
+
+def test_each_kernels_traffic_is_declared(stage):
+    """stage.BACKWARD_IO, from which nb.backward_floors takes each kernel's bytes: every field it names is one of
+    KdaBwdParams' buffers, every buffer is named (but the gradients' bf16 twins, counted under their fp32 names, and
+    what is too small to count), and what a kernel writes and is not a gradient a kernel at or after it reads (a
+    buffer that no kernel were declared to read, or one read before it is written, fails)."""
+    import re
+
+    src = (STAGE_DIR / "kda.h").read_text()
+    struct = re.sub(r"//.*", "", src[src.index("struct KdaBwdParams"):])
+    struct = struct[:struct.index("};")]
+    pointers = set(re.findall(r"\*\s*(\w+)", struct))
+    small = {"cu_seqlens", "A_log", "dt_bias", "prof"}
+    io = list(stage.BACKWARD_IO.values())
+    named = {f for reads, writes in io for f in reads + writes}
+    assert named == {f for f in pointers - small if not f.endswith("_bf")}, named ^ pointers
+    assert {f for f in pointers if f.endswith("_bf")} <= {f + "_bf" for f in named}
+    outputs = {"dq", "dk", "dv", "dg", "dbeta", "dh0", "ddt_part", "dAlog_part"}
+    for i, (_, writes) in enumerate(io):
+        for f in set(writes) - outputs:
+            assert any(f in reads for reads, _ in io[i:]), f"{f}: written, never read after"
+    for i, (reads, _) in enumerate(io):
+        for f in reads:
+            made = [j for j, (_, writes) in enumerate(io) if f in writes]
+            assert not made or min(made) <= i, f"{f}: read before any kernel writes it"
+    t = stage.backward_traffic(1, 8192, 32, 128)
+    work = stage.backward_bytes(1, 8192, 32, 128)
+    written = sum(w for _, w in t.values())
+    # the workspace and gradients, each written once, but u's buffer twice (u, then vcorr over it)
+    assert written == work["total"] + stage._buffer_bytes(1, 8192, 32, 128)["vcorr"]
+
+
+def test_the_floors_and_loss_curves_come_from_their_records(monkeypatch):
+    """nb.backward_floors at the recorded shape: each kernel's time over a floor of at least its bytes; the chains'
+    floor is their chain's. nb.loss_curves recomputes the gaps from the curves and fails where the record's differ
+    (a record whose kernel gap was edited, planted)."""
+    import copy
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from common import notebook as nb
+    from common import results
+
+    df = nb.backward_floors()
+    assert list(df.index) == ["B1 prepare", "B2, B3 chains", "B4 adjoint"]
+    assert (df["x its floor"] >= 1).all() and (df["ms"] > df["bytes floor ms"]).all()
+    assert df.loc["B2, B3 chains", "bound by"] == "the chain"
+    _, gaps = nb.loss_curves()
+    assert gaps["gap"].max() > 0
+    real = results.recorded
+
+    def edited(record, device_dir):
+        data = copy.deepcopy(real(record, device_dir))
+        data["kernel_gap"]["0"] /= 2
+        return data
+
+    monkeypatch.setattr(results, "recorded", edited)
+    with pytest.raises(nb.CheckFailed):
+        nb.loss_curves()

@@ -153,29 +153,67 @@ class EmulatedExtension:
             dh0.copy_(k_first(out[6]))
 
 
-def backward_bytes(B, T, H, K, *, variant=None, grads_bytes=2) -> dict:
-    """What the backward allocates at a shape (N = B sequences of T tokens, K = V), by tensor, in bytes: the
-    workspace that lives between its kernels (binding.cpp bwd_impl), per chunk of 16 tokens and head, and the
-    gradients it writes (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). The states and the
-    chains' operands qd, kr, w are bf16, fp32 in the ``variant`` builds whose defines say so (kda.h kda_state_t,
-    kda_op_t). B2 writes each chunk's vcorr over its u, one buffer for the two. Nothing of the forward is kept but
-    its inputs."""
+def _buffer_bytes(B, T, H, K, variant=None, grads_bytes=2, h0=False) -> dict:
+    """The bytes of every buffer the backward's kernels read or write at a shape (N = B sequences of T tokens,
+    K = V), by KdaBwdParams' field: the op's bf16 inputs and do, the workspace (one slot per chunk of 16 tokens and
+    head), the gradients (bf16 for the op, ``grads_bytes`` 4 for the stage's own fp32 calls). u and vcorr are one
+    buffer. The states and the chains' operands are bf16, fp32 in the ``variant`` builds whose defines say so."""
     defines = set(_variant_defines(variant))
     states_bytes = 4 if "KDA_BWD_STATES_FP32" in defines else 2
     ops_bytes = 4 if defines & {"KDA_BWD_FP32_CHAINS", "KDA_BWD_FP32_OPERANDS"} else 2
-    slots = B * H * (-(-T // 16))
-    f32 = 4
+    slots, rows, f32 = B * H * (-(-T // 16)), B * T * H, 4
+    state = B * H * K * K * f32 if h0 else 0
+    return dict(
+        q=rows * K * 2, k=rows * K * 2, v=rows * K * 2, g=rows * K * 2, beta=rows * 2, dout=rows * K * 2,
+        h0=state, dht=state, dh0=state,
+        qd=slots * 16 * K * ops_bytes, kr=slots * 16 * K * ops_bytes, w=slots * 16 * K * ops_bytes,
+        u=slots * 16 * K * f32, vcorr=slots * 16 * K * f32, Aqk=slots * 16 * 16 * f32, el=slots * K * f32,
+        Xkk=0 if "KDA_BWD_B4_REBUILDS" in defines else slots * 2 * 16 * 16 * f32,
+        states=slots * K * K * states_bytes, dstates=slots * K * K * states_bytes, dvcorr=slots * 16 * K * f32,
+        dq=rows * K * grads_bytes, dk=rows * K * grads_bytes, dv=rows * K * grads_bytes, dg=rows * K * grads_bytes,
+        dbeta=rows * grads_bytes, ddt_part=slots * K * f32, dAlog_part=rows * f32)
+
+
+def backward_bytes(B, T, H, K, *, variant=None, grads_bytes=2) -> dict:
+    """What the backward allocates at a shape, by tensor, in bytes: the workspace that lives between its kernels
+    (binding.cpp bwd_impl) and the gradients it writes (_buffer_bytes). B2 writes each chunk's vcorr over its u,
+    one buffer for the two. Nothing of the forward is kept but its inputs."""
+    b = _buffer_bytes(B, T, H, K, variant, grads_bytes)
     work = {
-        "qd, kr, w": 3 * slots * 16 * K * ops_bytes,
-        "u, then vcorr over it (fp32)": slots * 16 * K * f32,
-        "Aqk, exp(glast) (fp32)": slots * (16 * 16 + K) * f32,
-        "X, kk: B1's, for B4 (fp32)": 0 if "KDA_BWD_B4_REBUILDS" in defines else slots * 2 * 16 * 16 * f32,
-        "entry states, exit gradients": 2 * slots * K * K * states_bytes,
-        "dvcorr (fp32)": slots * 16 * K * f32,
-        "dA_log's and ddt_bias's parts (fp32)": B * T * H * f32 + slots * K * f32,
+        "qd, kr, w": b["qd"] + b["kr"] + b["w"],
+        "u, then vcorr over it (fp32)": b["u"],
+        "Aqk, exp(glast) (fp32)": b["Aqk"] + b["el"],
+        "X, kk: B1's, for B4 (fp32)": b["Xkk"],
+        "entry states, exit gradients": b["states"] + b["dstates"],
+        "dvcorr (fp32)": b["dvcorr"],
+        "dA_log's and ddt_bias's parts (fp32)": b["dAlog_part"] + b["ddt_part"],
     }
-    grads = {"dq, dk, dv, dg": 4 * B * T * H * K * grads_bytes, "dbeta": B * T * H * grads_bytes}
+    grads = {"dq, dk, dv, dg": b["dq"] + b["dk"] + b["dv"] + b["dg"], "dbeta": b["dbeta"]}
     return dict(workspace=work, gradients=grads, total=sum(work.values()) + sum(grads.values()))
+
+
+# What each of the backward's kernels reads and writes in global memory, by KdaBwdParams' field: (reads, writes).
+# The profiler's kernel names are the keys' second parts. B2 and B3 are one launch.
+BACKWARD_IO = {
+    ("B1 prepare", "kda_bwd_prepare_kernel"): (
+        ("q", "k", "v", "g", "beta"),
+        ("qd", "kr", "w", "u", "Aqk", "el", "Xkk")),
+    ("B2, B3 chains", "kda_bwd_chains_mma_kernel"): (
+        ("w", "kr", "qd", "el", "u", "Aqk", "dout", "h0", "dht"),
+        ("states", "vcorr", "dstates", "dvcorr", "dh0")),
+    ("B4 adjoint", "kda_bwd_adjoint_kernel"): (
+        ("q", "k", "v", "g", "beta", "dout", "vcorr", "dvcorr", "states", "dstates", "Xkk"),
+        ("dq", "dk", "dv", "dg", "dbeta", "ddt_part", "dAlog_part")),
+}
+
+
+def backward_traffic(B, T, H, K, *, variant=None, h0=False) -> dict:
+    """The bytes each backward kernel must move at least once at a shape (the op's call: bf16 inputs, do and
+    gradients), {kernel: (read, written)}: its floor is these over the memory's bandwidth. A chain block's re-reads
+    of its chunk's operands (four blocks of 32 value columns read the same rows) come from L2 and are not counted."""
+    b = _buffer_bytes(B, T, H, K, variant, 2, h0)
+    return {name: (sum(b[f] for f in reads), sum(b[f] for f in writes))
+            for (name, _), (reads, writes) in BACKWARD_IO.items()}
 
 
 # The backward's variants, each a build of its own timed beside the stage's (scripts/bench_train.py --variant):
@@ -197,8 +235,8 @@ BACKWARD_VARIANTS = {
     # B4's dAqk = do vcorr^T and dAf = dw kd^T + dvcorr v^T on the CUDA cores in fp32, a pair a thread, not as
     # tensor-core products (backward.cuh pair_grads_mma)
     "fp32_pair_grads": ("KDA_BWD_FP32_PAIR_GRADS",),
-    "fp32_dv": ("KDA_BWD_FP32_DV",),
-    "b4_rebuilds": ("KDA_BWD_B4_REBUILDS",),  # B4 forms each chunk's pair sums kk and inverse X again, as B1 does  # B4's dv = Af^T dvcorr on the CUDA cores in fp32, not on tensor cores (dv_mma)
+    "fp32_dv": ("KDA_BWD_FP32_DV",),  # B4's dv = Af^T dvcorr on the CUDA cores in fp32, not on tensor cores (dv_mma)
+    "b4_rebuilds": ("KDA_BWD_B4_REBUILDS",),  # B4 forms each chunk's pair sums kk and inverse X again, as B1 does
     # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
     "prep_4blocks": ("KDA_BWD_PREP_MIN_BLOCKS=4",),
