@@ -361,6 +361,23 @@ def test_b4_reading_b1s_inverse_is_b4_forming_it(stage):
                 assert torch.equal(kept[n], formed[n]), n
 
 
+def test_b4s_deep_state_tiles_are_the_two_buffers(stage):
+    """B4's tiles of S and dS four buffers deep, the first three issued before the chunk's load (two of the buffers
+    over dqd, dkr and dw until the products write them): every gradient the same bits as the build with two buffers
+    (two_state_tiles), with a tail and h0 at K = 64 (four tiles: all but one issued before the load) and K = 128,
+    and on packed sequences. A buffer reused before its readers are done would show as a race here only by chance:
+    the GPU's training tests run the same kernel."""
+    for (kw, do, dht, cu), gate, lb in ((_case(*CASES[0]) + (None,), *CASES[0][4:6]),
+                                        (_case(*CASES[1]) + (None,), *CASES[1][4:6]),
+                                        (_packed_case("bounded", -5.0, seed=7), "bounded", -5.0)):
+        args = dict(**{n: kw[n] for n in NAMES}, gate=gate, lower_bound=lb, do=do, dht=dht, cu_seqlens=cu)
+        deep = stage.emulate_backward(**args)
+        two = stage.emulate_backward(**args, variant="two_state_tiles")
+        for n in NAMES:
+            if deep[n] is not None:
+                assert torch.equal(deep[n], two[n]), n
+
+
 def test_the_profile_regions_are_the_kernels_table(stage):
     """SPEC.backward_regions names kda.h's KdaBwdRegion ids in order, and the table fits the profile buffer."""
     import re

@@ -380,6 +380,19 @@ __device__ __forceinline__ void copies_arrived() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
+// Until at most `pending` (0, 1 or 2) of this thread's latest groups are still in flight.
+__device__ __forceinline__ void copies_arrived_but(int pending) {
+#ifndef KDA_EMULATED
+  if (pending >= 2)
+    asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+  else if (pending == 1)
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  else
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#else
+  (void)pending;
+#endif
+}
 
 constexpr int kChainThreads = kVTile * kChainWarps;
 
@@ -569,18 +582,23 @@ constexpr int kSTile = 16;  // columns of S and dS per tile in B4
 
 // B4's shared memory, about 112 KB at K = V = 128 so that two blocks share an SM: three phases reuse one
 // area (`ph`): the tiles of S and dS for the products with them, then kd for dAf, then the pair phase's results.
+// A 16-column tile of S and of dS as stored (bf16), for B4's tensor-core products.
+template <int D>
+struct alignas(16) StateTile {
+  __nv_bfloat16 S[D][kSTile + 8], dS[D][kSTile + 8];
+};
 template <int D>
 struct AdjSmem {
   ChunkSmem<D> ch;
   float dout[BT][D + kPad], vc[BT][D + kPad], dvc[BT][D + kPad];  // do, vcorr, dvcorr (V = D columns, rows read by lane)
-  float dqd[BT][D], dkr[BT][D], dw[BT][D];   // the gradients of the chain operands
+  // the gradients of the chain operands; until the products with S and dS write them, two of their tiles
+  alignas(16) float dqd[BT][D];
+  float dkr[BT][D], dw[BT][D];
   union {
     struct {
       float S[D][kSTile + 1], dS[D][kSTile + 1];  // a 16-column tile of S and of dS
     } tile;
-    struct alignas(16) {  // the same tiles as stored (bf16), two of each, for the tensor-core products
-      __nv_bfloat16 S[2][D][kSTile + 8], dS[2][D][kSTile + 8];
-    } mtile;
+    StateTile<D> mtile[2];  // the tensor-core products' first two tiles
     PairScratch<D> pairs;    // load_chunk's
     float kd[BT][D + kPad];  // k e^gc, w's right operand (read row by lane)
     struct {
@@ -665,33 +683,63 @@ __device__ void state_products_fp32(AdjSmem<D>& s, const ChunkSmem<D>& ch, const
 #if defined(KDA_BWD_STATES_FP32) && !defined(KDA_BWD_FP32_ADJOINT)
 #error "B4's tensor-core products take the states as stored in bf16: a build with KDA_BWD_STATES_FP32 needs KDA_BWD_FP32_ADJOINT"
 #endif
+// The tiles in flight: kStateTileBufs buffers, kStateTileBufs - 1 tiles loading while one is multiplied. Buffers 0
+// and 1 are the union's; 2 and 3 lie over dqd, dkr and dw, which the products write only after their last tile.
+// The variant two_state_tiles (KDA_BWD_TWO_STATE_TILES) keeps two buffers, one tile in flight, its first issued
+// after the chunk's load.
+#ifdef KDA_BWD_TWO_STATE_TILES
+constexpr int kStateTileBufs = 2;
+#else
+constexpr int kStateTileBufs = 4;
+#endif
+// The first tiles go out before the chunk's inputs are loaded where that load leaves the union alone (it reads
+// B1's X and kk, forming no pair sums in it) and the products run on tensor cores.
+#if defined(KDA_BWD_KEEP_XKK) && !defined(KDA_BWD_FP32_ADJOINT) && !defined(KDA_BWD_TWO_STATE_TILES)
+#define KDA_BWD_TILES_BEFORE_LOAD 1
+#endif
+template <int D>
+__device__ __forceinline__ StateTile<D>& state_tile(AdjSmem<D>& s, int buf) {
+  constexpr size_t kRow = sizeof(float) * BT * D;  // each of dqd, dkr, dw
+  static_assert(2 * sizeof(StateTile<D>) <= 3 * kRow, "two tiles must fit over dqd, dkr and dw");
+  static_assert(offsetof(AdjSmem<D>, dkr) == offsetof(AdjSmem<D>, dqd) + kRow &&
+                offsetof(AdjSmem<D>, dw) == offsetof(AdjSmem<D>, dkr) + kRow, "dqd, dkr, dw in a row");
+  return buf < 2 ? s.ph.mtile[buf] : reinterpret_cast<StateTile<D>*>(&s.dqd[0][0])[buf - 2];
+}
+// Columns j0 .. j0 + 15 of S and dS (D rows of 16 bf16, two 16-byte pieces each) into buffer buf: one group.
 template <int D>
 __device__ __forceinline__ void issue_state_tiles(AdjSmem<D>& s, int buf, const kda_state_t* S, const kda_state_t* dS,
                                                   int j0) {
-  // D rows of 16 bf16 (two 16-byte pieces) of S and of dS
+  StateTile<D>& tl = state_tile<D>(s, buf);
   for (int idx = threadIdx.x; idx < 4 * D; idx += kAdjThreads) {
     const int r = (idx >> 1) % D, half = idx & 1;
     const bool of_dS = idx >= 2 * D;
-    copy16((of_dS ? s.ph.mtile.dS[buf][r] : s.ph.mtile.S[buf][r]) + 8 * half,
-           (of_dS ? dS : S) + (size_t)r * D + j0 + 8 * half);
+    copy16((of_dS ? tl.dS[r] : tl.S[r]) + 8 * half, (of_dS ? dS : S) + (size_t)r * D + j0 + 8 * half);
   }
   copies_issued();
 }
+// The tiles issued before the chunk's load (KDA_BWD_TILES_BEFORE_LOAD): the first kStateTileBufs - 1.
+constexpr int kTilesEarly = kStateTileBufs - 1;
 template <int D>
 __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
                                    const kda_state_t* dS) {
   constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
+  constexpr int NTILES = D / kSTile, AHEAD = kStateTileBufs - 1;  // tiles in flight while one is multiplied
   static_assert(kAdjThreads == 256 && kSTile == 16, "eight warps split the key rows; a tile is one k-block");
+  static_assert(AHEAD - 1 <= 2 && AHEAD < NTILES, "copies_arrived_but leaves at most two groups in flight");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   float aq[NTW][4] = {}, aw[NTW][4] = {}, ar[NTW][4] = {}, agl = 0.f;
-  issue_state_tiles<D>(s, 0, S, dS, 0);
-  for (int j0 = 0, buf = 0; j0 < D; j0 += kSTile, buf ^= 1) {
-    copies_arrived();
-    __syncthreads();  // this tile is in (and do, vcorr, dvcorr, first time); the other buffer's readers are done
-    if (j0 + kSTile < D) issue_state_tiles<D>(s, buf ^ 1, S, dS, j0 + kSTile);
+#ifndef KDA_BWD_TILES_BEFORE_LOAD
+  for (int i = 0; i < AHEAD; ++i) issue_state_tiles<D>(s, i, S, dS, i * kSTile);
+#endif
+  for (int i = 0; i < NTILES; ++i) {
+    const int buf = i % kStateTileBufs;
+    copies_arrived_but(min(AHEAD - 1, NTILES - 1 - i));  // tile i is in: the groups after it may still fly
+    __syncthreads();  // tile i seen by all (and do, vcorr, dvcorr, first time); tile i - 1's readers are done
+    if (i + AHEAD < NTILES) issue_state_tiles<D>(s, (i + AHEAD) % kStateTileBufs, S, dS, (i + AHEAD) * kSTile);
+    const StateTile<D>& tl = state_tile<D>(s, buf);
+    const int j0 = i * kSTile;
     if (tid < D)
-      for (int jj = 0; jj < kSTile; ++jj)
-        agl += bf2f(s.ph.mtile.S[buf][tid][jj]) * bf2f(s.ph.mtile.dS[buf][tid][jj]);
+      for (int jj = 0; jj < kSTile; ++jj) agl += bf2f(tl.S[tid][jj]) * bf2f(tl.dS[tid][jj]);
     uint32_t a_do[4], a_dv[4], a_vc[4];
     a_frag<D + kPad, 1>(&s.dout[0][0], 0, j0, 1.f, a_do);
     a_frag<D + kPad, 1>(&s.dvc[0][0], 0, j0, -1.f, a_dv);
@@ -699,14 +747,15 @@ __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const 
 #pragma unroll
     for (int j = 0; j < NTW; ++j) {
       const int d = 8 * (NTW * warp + j) + g;
-      const uint32_t* sr = reinterpret_cast<const uint32_t*>(s.ph.mtile.S[buf][d]);
-      const uint32_t* dr = reinterpret_cast<const uint32_t*>(s.ph.mtile.dS[buf][d]);
+      const uint32_t* sr = reinterpret_cast<const uint32_t*>(tl.S[d]);
+      const uint32_t* dr = reinterpret_cast<const uint32_t*>(tl.dS[d]);
       const uint32_t bS[2] = {sr[t], sr[t + 4]}, bdS[2] = {dr[t], dr[t + 4]};
       mma_bf16(aq[j], a_do, bS);
       mma_bf16(aw[j], a_dv, bS);
       mma_bf16(ar[j], a_vc, bdS);
     }
   }
+  if (kStateTileBufs > 2) __syncthreads();  // the last tiles' readers done: dqd, dkr, dw are theirs no longer
 #pragma unroll
   for (int j = 0; j < NTW; ++j)
 #pragma unroll
@@ -964,6 +1013,12 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   const int h = bh % p.H, t0 = n * BT, len = min(BT, sq.len - t0);
   if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#ifdef KDA_BWD_TILES_BEFORE_LOAD
+  {  // the first tiles of S and dS, in flight while the chunk loads
+    const size_t at = chunk_slot(p, bh, n) * D * D;
+    for (int i = 0; i < kTilesEarly; ++i) issue_state_tiles<D>(s, i, p.states + at, p.dstates + at, i * kSTile);
+  }
+#endif
 #ifdef KDA_BWD_KEEP_XKK
   load_chunk<D, kAdjThreads, false>(p, bh, n, s.ch, s.ph.pairs, KDA_REG_B4_LOAD);  // B1's X and kk
 #else

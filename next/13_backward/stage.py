@@ -236,6 +236,9 @@ BACKWARD_VARIANTS = {
     # tensor-core products (backward.cuh pair_grads_mma)
     "fp32_pair_grads": ("KDA_BWD_FP32_PAIR_GRADS",),
     "fp32_dv": ("KDA_BWD_FP32_DV",),  # B4's dv = Af^T dvcorr on the CUDA cores in fp32, not on tensor cores (dv_mma)
+    # B4's tiles of S and dS two buffers deep (one in flight while one is multiplied), the first issued after the
+    # chunk's load, not four deep with the first three issued before it (backward.cuh kStateTileBufs)
+    "two_state_tiles": ("KDA_BWD_TWO_STATE_TILES",),
     "b4_rebuilds": ("KDA_BWD_B4_REBUILDS",),  # B4 forms each chunk's pair sums kk and inverse X again, as B1 does
     # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
