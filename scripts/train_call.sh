@@ -6,6 +6,8 @@
 # for minutes on the first call of each (H, K) family (../shared/DEVICE_NOTES.md): with FLA=1 the bench runs before
 # the tests, at H = 32, K = 128, so that the test that trains FLA's chunk_kda (same family) finds them tuned.
 # With FLA_LAST=1, the step beside FLA's last of all (FLA_GATES, $OUT/train_fla.json), after the variants' bench.
+# On a fresh machine FLA's first step autotuned for more than 300 s at 4d6d8e6 (train_chains_4d6d8e6_log.txt in
+# results/h100/stage13/), so FLA_TIMEOUT is 450 s; FLA beside more shapes than one is better a call of its own.
 # With PROFILE=1, then the backward's clock64 regions per chunk (scripts/profile_backward.py), of the stage and of the
 # variant builds in PROFILE_VARIANTS.
 # With FLA_CHECK=1, then every gradient against fp64 beside FLA's error on the same inputs (scripts/check_backward.py
@@ -64,7 +66,7 @@ if [ "${PROFILE:-0}" = 1 ]; then  # cycles per chunk in each region of the four 
     $(for v in ${PROFILE_VARIANTS:-}; do printf -- '--variant %s ' $v; done) 2>&1 | tee -a $OUT/log.txt; log "profile rc=$?"
 fi
 if [ "${FLA_LAST:-0}" = 1 ]; then  # the step beside FLA's, after everything else (FLA autotunes for minutes first)
-  timeout ${FLA_TIMEOUT:-300} python3 scripts/bench_train.py --shapes "${TRAIN_SHAPES:-1,8192,32,128}" \
+  timeout ${FLA_TIMEOUT:-450} python3 scripts/bench_train.py --shapes "${TRAIN_SHAPES:-1,8192,32,128}" \
     --gates "${FLA_GATES:-softplus,bounded}" --out $OUT/train_fla.json 2>&1 | tee -a $OUT/log.txt; log "bench beside FLA rc=$?"
 fi
 if [ "${FLA_CHECK:-0}" = 1 ]; then  # every gradient against fp64 beside FLA's error on the same inputs (quick cases)
