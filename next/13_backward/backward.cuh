@@ -1174,13 +1174,26 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
     // gc = cumsum(a), glast = gc[last]: da[c] = sum_{c' >= c} dgc[c'] + dglast; then the gate
     const float A = expf(p.A_log[h]);
     float acc = dglast, dsum = 0.f;  // dsum: the chunk's share of ddt_bias[h][e]
+#ifndef KDA_BWD_GATE_LOADS_IN_LOOP
+    // the gate's inputs, every row's load issued before the loop: inside it, each would wait for the store of dg
+    // before it (the compiler cannot tell g from dg), one round trip to memory a row
+    float gx[BT];
+    const float bias = p.dt_bias[h * D + e];
+#pragma unroll
+    for (int c = 0; c < BT; ++c)
+      gx[c] = c < len ? bf2f(p.g[(((size_t)sq.bos + t0 + c) * p.H + h) * D + e]) + bias : 0.f;
+#endif
 #pragma unroll
     for (int c = BT - 1; c >= 0; --c) {
       acc += dgc[c];
       float dgx = 0.f, dal = 0.f;
       if (c < len) {
         const size_t row = ((size_t)sq.bos + t0 + c) * p.H + h;
+#ifdef KDA_BWD_GATE_LOADS_IN_LOOP
         const float x = bf2f(p.g[row * D + e]) + p.dt_bias[h * D + e];
+#else
+        const float x = gx[c];
+#endif
         float dadx, dadlog;
         if (p.gate_id == KDA_GATE_SOFTPLUS) {
           const float sg = 1.f / (1.f + expf(-x));
