@@ -241,6 +241,8 @@ BACKWARD_VARIANTS = {
     "two_state_tiles": ("KDA_BWD_TWO_STATE_TILES",),
     # B4's gate loop loading each row's g inside the loop, after the previous row's store of dg, not all rows before it
     "gate_loads_in_loop": ("KDA_BWD_GATE_LOADS_IN_LOOP",),
+    # both of the two above at once: one build for the emulator's check that neither changes a bit
+    "b4_waits": ("KDA_BWD_TWO_STATE_TILES", "KDA_BWD_GATE_LOADS_IN_LOOP"),
     "b4_rebuilds": ("KDA_BWD_B4_REBUILDS",),  # B4 forms each chunk's pair sums kk and inverse X again, as B1 does
     # candidates, not on: B1 held to 168 / 128 registers, 3 / 4 blocks per SM (with 214 it has 2)
     "prep_3blocks": ("KDA_BWD_PREP_MIN_BLOCKS=3",),
