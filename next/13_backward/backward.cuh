@@ -580,13 +580,13 @@ namespace bwd {
 // ---------------------------------------------------------------------------
 constexpr int kSTile = 16;  // columns of S and dS per tile in B4
 
-// B4's shared memory, about 112 KB at K = V = 128 so that two blocks share an SM: three phases reuse one
-// area (`ph`): the tiles of S and dS for the products with them, then kd for dAf, then the pair phase's results.
 // A 16-column tile of S and of dS as stored (bf16), for B4's tensor-core products.
 template <int D>
 struct alignas(16) StateTile {
   __nv_bfloat16 S[D][kSTile + 8], dS[D][kSTile + 8];
 };
+// B4's shared memory, about 112 KB at K = V = 128 so that two blocks share an SM: three phases reuse one
+// area (`ph`): the tiles of S and dS for the products with them, then kd for dAf, then the pair phase's results.
 template <int D>
 struct AdjSmem {
   ChunkSmem<D> ch;
@@ -692,6 +692,7 @@ constexpr int kStateTileBufs = 2;
 #else
 constexpr int kStateTileBufs = 4;
 #endif
+constexpr int kTilesAhead = kStateTileBufs - 1;  // tiles in flight while one is multiplied
 // The first tiles go out before the chunk's inputs are loaded where that load leaves the union alone (it reads
 // B1's X and kk, forming no pair sums in it) and the products run on tensor cores.
 #if defined(KDA_BWD_KEEP_XKK) && !defined(KDA_BWD_FP32_ADJOINT) && !defined(KDA_BWD_TWO_STATE_TILES)
@@ -717,13 +718,11 @@ __device__ __forceinline__ void issue_state_tiles(AdjSmem<D>& s, int buf, const 
   }
   copies_issued();
 }
-// The tiles issued before the chunk's load (KDA_BWD_TILES_BEFORE_LOAD): the first kStateTileBufs - 1.
-constexpr int kTilesEarly = kStateTileBufs - 1;
 template <int D>
 __device__ void state_products_mma(AdjSmem<D>& s, const ChunkSmem<D>& ch, const kda_state_t* S,
                                    const kda_state_t* dS) {
   constexpr int NTW = D / 64;  // 8-column tiles per warp (8 warps)
-  constexpr int NTILES = D / kSTile, AHEAD = kStateTileBufs - 1;  // tiles in flight while one is multiplied
+  constexpr int NTILES = D / kSTile, AHEAD = kTilesAhead;
   static_assert(kAdjThreads == 256 && kSTile == 16, "eight warps split the key rows; a tile is one k-block");
   static_assert(AHEAD - 1 <= 2 && AHEAD < NTILES, "copies_arrived_but leaves at most two groups in flight");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -1014,9 +1013,9 @@ __global__ void __launch_bounds__(kAdjThreads, 2) kda_bwd_adjoint_kernel(const K
   if (len <= 0) return;  // past the sequence's end: the whole block
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #ifdef KDA_BWD_TILES_BEFORE_LOAD
-  {  // the first tiles of S and dS, in flight while the chunk loads
+  {  // the first tiles of S and dS, in flight while the chunk loads (state_products_mma waits for them)
     const size_t at = chunk_slot(p, bh, n) * D * D;
-    for (int i = 0; i < kTilesEarly; ++i) issue_state_tiles<D>(s, i, p.states + at, p.dstates + at, i * kSTile);
+    for (int i = 0; i < kTilesAhead; ++i) issue_state_tiles<D>(s, i, p.states + at, p.dstates + at, i * kSTile);
   }
 #endif
 #ifdef KDA_BWD_KEEP_XKK
